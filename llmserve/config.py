@@ -1,0 +1,114 @@
+"""Engine configuration: frozen dataclasses, validated on construction.
+
+`EngineArgs` is the flat form users and the CLI see (one field, one flag); `EngineConfig` groups it for
+the components. Values only known after loading the model (the KV block count, the final
+max_model_len) live in `ResolvedLimits`, never written back into these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Device = Literal["auto", "cpu", "cuda"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = DEFAULT_MODEL
+    dtype: Dtype = "auto"
+    device: Device = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    chat_template: str | None = None  # a Jinja template or a path to one; overrides the model's
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}.")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}.")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Bytes for the KV pool; None sizes it from free memory (see `kv_cache_budget`).
+    kv_cache_memory: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}.")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}."
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass(frozen=True)
+class ResolvedLimits:
+    """What the engine core settled on after loading the model and sizing the KV pool."""
+
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Every engine option, flat: `LLM(**kwargs)` and the CLI flags are generated from these fields."""
+
+    model: str = DEFAULT_MODEL
+    dtype: Dtype = "auto"
+    device: Device = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    chat_template: str | None = None
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+
+    def create_engine_config(self) -> EngineConfig:
+        def pick(cls: type) -> dict[str, object]:
+            names = {f.name for f in dataclasses.fields(cls)}
+            return {k: v for k, v in dataclasses.asdict(self).items() if k in names}
+
+        return EngineConfig(
+            model_config=ModelConfig(**pick(ModelConfig)),  # type: ignore[arg-type]
+            cache_config=CacheConfig(**pick(CacheConfig)),  # type: ignore[arg-type]
+            scheduler_config=SchedulerConfig(**pick(SchedulerConfig)),  # type: ignore[arg-type]
+        )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineArgs:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"Unknown engine option(s): {', '.join(unknown)}.")
+        return cls(**kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,71 @@
+"""The engine core: schedule → execute → update, one step at a time, independent of any transport."""
+
+from __future__ import annotations
+
+import time
+
+from llmserve.config import EngineConfig, ResolvedLimits
+from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from llmserve.model_executor.device import kv_cache_budget
+from llmserve.model_executor.loader import load_model_config, resolve_model
+from llmserve.model_executor.model_runner import ModelRunner
+from llmserve.scheduling.kv_cache_manager import KVCacheManager
+from llmserve.scheduling.request import Request, RequestStatus
+from llmserve.scheduling.scheduler import Scheduler
+
+
+class EngineCore:
+    """Owns the scheduler, the KV cache manager and the model runner."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        source = resolve_model(config.model_config.model)
+        llama_config = load_model_config(source)
+        self.model_runner = ModelRunner(config.model_config, llama_config, source)
+        block_size = config.cache_config.block_size
+        budget = kv_cache_budget(self.model_runner.device, config.cache_config.kv_cache_memory)
+        num_blocks = budget // self.model_runner.kv_cache_bytes_per_block(block_size)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory ({budget} bytes) is too small for one KV block of {block_size} tokens."
+            )
+        self.limits = ResolvedLimits(
+            max_model_len=_max_model_len(
+                config.model_config.max_model_len,
+                llama_config.max_position_embeddings,
+                num_blocks * block_size,
+            ),
+            num_kv_blocks=num_blocks,
+            block_size=block_size,
+            vocab_size=llama_config.vocab_size,
+        )
+        self.model_runner.initialize_kv_cache(num_blocks, block_size)
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size)
+        self.scheduler = Scheduler(
+            config.scheduler_config, self.kv_cache_manager, self.limits.max_model_len
+        )
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(
+            Request.from_engine_core_request(request, self.limits.max_model_len)
+        )
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return EngineCoreOutputs(outputs, self.scheduler.make_stats(), time.monotonic())
+
+
+def _max_model_len(requested: int | None, model_max: int, pool_tokens: int) -> int:
+    """The model's context length, or the requested one (never more), capped by the KV pool."""
+    if requested is not None and requested > model_max:
+        raise ValueError(
+            f"max_model_len ({requested}) is larger than the model's context length ({model_max})."
+        )
+    return min(requested or model_max, pool_tokens)

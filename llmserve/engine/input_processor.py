@@ -1,0 +1,114 @@
+"""Prompt + sampling params → a validated, tokenized `EngineCoreRequest`, before anything reaches the core."""
+
+from __future__ import annotations
+
+import time
+from typing import TypedDict, Union
+
+from transformers import PreTrainedTokenizerBase
+
+from llmserve.config import ResolvedLimits
+from llmserve.engine.messages import EngineCoreRequest
+from llmserve.sampling_params import SamplingParams
+
+
+class TextPrompt(TypedDict):
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    prompt_token_ids: list[int]
+
+
+PromptType = Union[str, TextPrompt, TokensPrompt]
+ChatMessage = dict[str, object]
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        limits: ResolvedLimits,
+        eos_token_ids: list[int],
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        # The first EOS id is the request's EOS; any others (e.g. Llama 3's) act as stop tokens.
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
+        self.extra_eos_ids = eos_token_ids[1:]
+
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """Returns the core request and the prompt text (None for a token-id prompt)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+        text, token_ids = self._tokenize(prompt)
+        self._validate_tokens(token_ids)
+        if self.extra_eos_ids and not params.ignore_eos:
+            params = params.clone(stop_token_ids=[*(params.stop_token_ids or []), *self.extra_eos_ids])
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+        )
+        return request, text
+
+    def render_chat(
+        self,
+        conversation: list[ChatMessage],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> TokensPrompt:
+        """Apply the chat template; the template already writes any special tokens it wants."""
+        if not isinstance(conversation, list) or not conversation:
+            raise ValueError("A conversation must be a non-empty list of messages.")
+        for message in conversation:
+            if not isinstance(message, dict) or "role" not in message:
+                raise ValueError(f"Each chat message needs a 'role', got {message!r}.")
+        if chat_template is None and self.tokenizer.chat_template is None:
+            raise ValueError("This model has no chat template; pass chat_template=... to use chat.")
+        text = self.tokenizer.apply_chat_template(
+            conversation,
+            chat_template=chat_template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+        token_ids = self.tokenizer.encode(str(text), add_special_tokens=False)
+        return TokensPrompt(prompt_token_ids=token_ids)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]  # type: ignore[typeddict-item]
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integers.")
+            return None, list(ids)
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            text = prompt["prompt"]  # type: ignore[typeddict-item]
+            return text, self.tokenizer.encode(text)
+        raise ValueError(
+            "A prompt must be a string, {'prompt': str} or {'prompt_token_ids': list[int]}, "
+            f"got {type(prompt).__name__}."
+        )
+
+    def _validate_tokens(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("The prompt is empty.")
+        max_len = self.limits.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(
+                f"The prompt is {len(token_ids)} tokens long, but max_model_len is {max_len}: "
+                "it must be shorter, to leave room for at least one generated token."
+            )
+        vocab = self.limits.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"Token id {bad} is out of vocabulary (size {vocab}).")

@@ -1,0 +1,66 @@
+"""The `llmserve` command. Engine flags are generated from `EngineArgs`, so one name means one thing."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from collections.abc import Sequence
+
+from llmserve.config import EngineArgs
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        kind = int if int in args or hint is int else str
+        parser.add_argument(flag, type=kind, default=f.default, choices=choices or None,
+                            help=f"(default: {f.default})")
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def _generate(ns: argparse.Namespace) -> None:
+    from llmserve import LLM, SamplingParams
+
+    llm = LLM(**vars(engine_args_from(ns)))
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.sampling_seed)
+    if ns.chat:
+        output = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)[0]
+    else:
+        output = llm.generate(ns.prompt, params, use_tqdm=False)[0]
+    print(output.outputs[0].text)
+    llm.shutdown()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmserve", description="Run and serve language models.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="Print the completion of one prompt.")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default=EngineArgs.model, help="GGUF file, HF folder or packaged name")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ns = build_parser().parse_args(argv)
+    try:
+        ns.func(ns)
+    except ValueError as e:
+        sys.exit(f"error: {e}")

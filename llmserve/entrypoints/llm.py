@@ -1,0 +1,113 @@
+"""`LLM`: the offline batch API, shaped like vLLM's."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from llmserve.config import DEFAULT_MODEL, EngineArgs
+from llmserve.engine.input_processor import ChatMessage, PromptType
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """`LLM()` loads the default model; keyword arguments are `EngineArgs` fields."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, **kwargs))
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.llm_engine.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs come back in the order of `prompts`."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompt_list = list(prompts)
+        return self._run(prompt_list, self._params_per_prompt(sampling_params, len(prompt_list)), use_tqdm)
+
+    def chat(
+        self,
+        messages: list[ChatMessage] | list[list[ChatMessage]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of them, through the model's chat template."""
+        conversations: list[list[ChatMessage]]
+        if messages and isinstance(messages[0], dict):
+            conversations = [messages]  # type: ignore[list-item]
+        else:
+            conversations = messages  # type: ignore[assignment]
+        processor = self.llm_engine.input_processor
+        prompts: list[PromptType] = [
+            processor.render_chat(c, chat_template, add_generation_prompt) for c in conversations
+        ]
+        return self._run(prompts, self._params_per_prompt(sampling_params, len(prompts)), use_tqdm)
+
+    @staticmethod
+    def _params_per_prompt(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"Got {len(params)} sampling_params for {n} prompts; they must match.")
+        return params
+
+    def _run(
+        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        # Only finished outputs are returned, so intermediate cumulative ones need not be built.
+        params = [
+            sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+            if sp.output_kind == RequestOutputKind.CUMULATIVE
+            else sp
+            for sp in params
+        ]
+        processed = [
+            engine.input_processor.process_inputs(str(next(self._request_counter)), p, sp)
+            for p, sp in zip(prompts, params)
+        ]  # all validated before any is added, so one bad prompt leaves the engine untouched
+        order = {request.request_id: i for i, (request, _) in enumerate(processed)}
+        for request, text in processed:
+            engine.output_processor.add_request(request, text)
+            engine.engine_core.add_request(request)
+        results: list[RequestOutput | None] = [None] * len(processed)
+        with tqdm(total=len(processed), desc="Processed prompts", disable=not use_tqdm) as bar:
+            try:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished:
+                            results[order[output.request_id]] = output
+                            bar.update(1)
+            except BaseException:
+                engine.abort_request(list(order))
+                raise
+        return [r for r in results if r is not None]
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,41 @@
+"""Where the model runs and in which dtype, decided once from the config and the hardware."""
+
+from __future__ import annotations
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but no CUDA device is available.")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto` is bf16 on GPUs and fp32 on CPUs (bf16 matmuls are slow on CPUs without AMX)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+def kv_cache_budget(device: torch.device, requested: int | None) -> int:
+    """Bytes for the KV pool: as requested, else most of a GPU's free memory, else a quarter of the
+    host's available memory capped at 4 GiB (enough for ~90k tokens of a small model in fp32)."""
+    if requested is not None:
+        return requested
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.8)
+    return min(4 << 30, _available_host_memory() // 4)
+
+
+def _available_host_memory() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 8 << 30

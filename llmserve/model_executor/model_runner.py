@@ -1,0 +1,146 @@
+"""One forward pass for whatever the scheduler picked: flatten, run the model, sample the ends."""
+
+from __future__ import annotations
+
+import torch
+
+from llmserve.config import ModelConfig
+from llmserve.model_executor.attention import AttentionMetadata, PrefillChunk
+from llmserve.model_executor.device import resolve_device, resolve_dtype
+from llmserve.model_executor.loader import ModelSource, iter_weights
+from llmserve.model_executor.models.llama import KVCache, LlamaForCausalLM
+from llmserve.model_executor.models.llama_config import LlamaConfig
+from llmserve.model_executor.sampler import SamplingMetadata, sample
+from llmserve.scheduling.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+
+class ModelRunner:
+    """Owns the model, its KV cache tensors, and the seeded generators of running requests."""
+
+    def __init__(self, model_config: ModelConfig, llama_config: LlamaConfig, source: ModelSource):
+        self.device = resolve_device(model_config.device)
+        self.dtype = resolve_dtype(model_config.dtype, self.device)
+        self.config = llama_config
+        torch.manual_seed(model_config.seed)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(llama_config)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        model.rotary.compute_tables()
+        model.load_weights(iter_weights(source))
+        self.model = model.eval()
+        self.kv_caches: list[KVCache] = []
+        self.block_size = 0
+        self._generators: dict[str, torch.Generator] = {}
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        c = self.config
+        per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
+        return per_token * block_size * self.dtype.itemsize
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        c = self.config
+        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        self.block_size = block_size
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(c.num_hidden_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in scheduler_output.finished_request_ids:
+            self._generators.pop(request_id, None)
+        if not scheduler_output.scheduled:
+            return ModelRunnerOutput({})
+        # Single-token steps first: they are attended together as one batched decode.
+        batch = sorted(scheduler_output.scheduled, key=lambda s: s.num_new_tokens != 1)
+        input_ids, positions, meta, sample_rows, last_tokens = self._prepare_inputs(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        sampling = [batch[i] for i in sample_rows]
+        if not sampling:
+            return ModelRunnerOutput({})
+        logits = self.model.compute_logits(hidden[torch.tensor(last_tokens, device=self.device)])
+        tokens = sample(logits, self._sampling_metadata(sampling)).tolist()
+        return ModelRunnerOutput({s.request.request_id: t for s, t in zip(sampling, tokens)})
+
+    def _prepare_inputs(
+        self, batch: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
+        """Flat token ids and positions, attention metadata, and which rows sample at which token."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[torch.Tensor] = []
+        prefills: list[PrefillChunk] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        sample_rows: list[int] = []
+        last_tokens: list[int] = []
+        bs = self.block_size
+        for row, sched in enumerate(batch):
+            start = sched.request.num_computed_tokens
+            end = start + sched.num_new_tokens
+            token_ids.extend(sched.request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            table = torch.tensor(sched.block_ids, dtype=torch.int64)
+            pos = torch.arange(start, end)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            if sched.num_new_tokens == 1:
+                decode_tables.append(sched.block_ids)
+                decode_lens.append(end)
+            else:
+                query_start = len(positions) - sched.num_new_tokens
+                chunk = PrefillChunk(query_start, sched.num_new_tokens, start, table.to(self.device))
+                prefills.append(chunk)
+            if sched.samples:
+                sample_rows.append(row)
+                last_tokens.append(len(positions) - 1)
+        width = max((len(t) for t in decode_tables), default=0)
+        padded = [t + [0] * (width - len(t)) for t in decode_tables]
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(self.device),
+            num_decodes=len(decode_tables),
+            decode_block_tables=torch.tensor(padded, dtype=torch.int64, device=self.device),
+            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int64, device=self.device),
+            decode_max_len=max(decode_lens, default=0),
+            prefills=prefills,
+        )
+        return (
+            torch.tensor(token_ids, dtype=torch.int64, device=self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            meta,
+            sample_rows,
+            last_tokens,
+        )
+
+    def _sampling_metadata(self, batch: list[ScheduledRequest]) -> SamplingMetadata:
+        params = [s.request.sampling_params for s in batch]
+        vocab = self.config.vocab_size
+        temperature = [0.0 if p.greedy else p.temperature for p in params]
+        generators: dict[int, torch.Generator] = {}
+        for row, (sched, p) in enumerate(zip(batch, params)):
+            if p.seed is not None and not p.greedy:
+                generators[row] = self._generator(sched.request.request_id, p.seed)
+
+        def column(values: list[float], neutral: float, dtype: torch.dtype) -> torch.Tensor | None:
+            if all(v == neutral for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        return SamplingMetadata(
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=self.device),
+            all_greedy=all(t == 0.0 for t in temperature),
+            top_k=column([p.top_k if p.top_k > 0 else vocab for p in params], vocab, torch.int64),
+            top_p=column([p.top_p for p in params], 1.0, torch.float32),
+            min_p=column([p.min_p for p in params], 0.0, torch.float32),
+            generators=generators,
+        )
+
+    def _generator(self, request_id: str, seed: int) -> torch.Generator:
+        generator = self._generators.get(request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            self._generators[request_id] = generator
+        return generator

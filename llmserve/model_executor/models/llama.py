@@ -1,0 +1,165 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+
+Reads like the architecture: embed → N × (RMSNorm → attention → residual → RMSNorm → SwiGLU → residual)
+→ RMSNorm → logits. Q, K and V share one projection, as do the MLP's gate and up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmserve.model_executor.attention import AttentionMetadata, paged_attention
+from llmserve.model_executor.layers.layernorm import RMSNorm
+from llmserve.model_executor.layers.rotary_embedding import RotaryEmbedding
+from llmserve.model_executor.models.llama_config import LlamaConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, kv_heads, head_dim]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.rotary = rotary
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint name fragment → (our fused parameter fragment, shard index among its parts).
+    FUSED_SHARDS = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # With tied embeddings the output projection is the embedding matrix itself.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden_size] after the final norm."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def shard_sizes(self, fused: str) -> list[int]:
+        c = self.config
+        if fused == "qkv_proj":
+            kv = c.num_key_value_heads * c.head_dim
+            return [c.num_attention_heads * c.head_dim, kv, kv]
+        return [c.intermediate_size, c.intermediate_size]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into our parameters; every one must be set."""
+        params = dict(self.named_parameters())
+        expected = {(name, None) for name in params}
+        for name in params:
+            fragment = name.split(".")[-2] if "." in name else ""
+            if fragment in ("qkv_proj", "gate_up_proj"):
+                expected.discard((name, None))
+                expected.update((name, i) for i in range(len(self.shard_sizes(fragment))))
+        loaded: set[tuple[str, int | None]] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target, fused, shard = name, "", None
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in self.FUSED_SHARDS:
+                fused, shard = self.FUSED_SHARDS[parts[-2]]
+                target = ".".join(parts[:-2] + [fused, parts[-1]])
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"Checkpoint tensor {hf_name!r} has no place in {type(self).__name__}.")
+            dest = param.data
+            if shard is not None:
+                sizes = self.shard_sizes(fused)
+                dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"Checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dest.shape)}."
+                )
+            dest.copy_(tensor)
+            loaded.add((target, shard))
+        missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
+        if missing:
+            raise ValueError(f"The checkpoint lacks {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}.")

@@ -1,0 +1,70 @@
+"""Logits → next tokens for a batch in which every row has its own sampling settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row settings as tensors. A filter's tensor is None when no row uses it."""
+
+    temperature: torch.Tensor  # [batch] fp32; 0 marks a greedy row
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [batch] int64; vocab size where disabled
+    top_p: torch.Tensor | None  # [batch] fp32; 1 where disabled
+    min_p: torch.Tensor | None  # [batch] fp32; 0 where disabled
+    generators: dict[int, torch.Generator]  # row → its request's seeded generator
+
+
+def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """logits [batch, vocab] fp32 → token ids [batch] int64."""
+    greedy = logits.argmax(dim=-1)
+    if meta.all_greedy:
+        return greedy
+    temperature = torch.where(meta.temperature > 0, meta.temperature, 1.0)
+    logits = logits / temperature.unsqueeze(1)
+    if meta.min_p is not None:
+        logits = _apply_min_p(logits, meta.min_p)
+    if meta.top_k is not None or meta.top_p is not None:
+        logits = _apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+    probs = logits.softmax(dim=-1)
+    random = _exponential_race(probs, meta.generators)
+    return torch.where(meta.temperature > 0, random, greedy)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask all but the top-k tokens, then all but the smallest set whose mass reaches top-p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (vocab - top_k.clamp(1, vocab)).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= (1 - top_p).unsqueeze(1)
+        drop[:, -1] = False  # the most likely token always stays
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Sample each row as argmax(p / E) with E ~ Exp(1), which draws from p exactly.
+
+    Rows of seeded requests draw E from their own generator, so their samples do not depend on what
+    else is in the batch.
+    """
+    noise = torch.empty_like(probs).exponential_()
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
