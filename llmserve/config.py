@@ -25,6 +25,7 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     chat_template: str | None = None  # a Jinja template or a path to one; overrides the model's
+    max_logprobs: int = 20  # the largest `logprobs` a request may ask for (-1: no limit)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -57,9 +58,7 @@ class SchedulerConfig:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}."
-            )
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
 
 
 @dataclass(frozen=True)
@@ -89,6 +88,7 @@ class EngineArgs:
     max_model_len: int | None = None
     seed: int = 0
     chat_template: str | None = None
+    max_logprobs: int = 20
     block_size: int = 16
     kv_cache_memory: int | None = None
     max_num_seqs: int = 128

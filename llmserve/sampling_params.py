@@ -36,6 +36,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None  # top-k logprobs per generated token (-1: the whole vocabulary)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -70,6 +71,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings.")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             raise ValueError("stop_token_ids must be a list of non-negative integers.")
+        if self.logprobs is not None and self.logprobs < -1:
+            raise ValueError(f"logprobs must be -1 (all), 0 or positive, got {self.logprobs}.")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}.")
 

@@ -40,14 +40,10 @@ class EngineCore:
         )
         self.model_runner.initialize_kv_cache(num_blocks, block_size)
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size)
-        self.scheduler = Scheduler(
-            config.scheduler_config, self.kv_cache_manager, self.limits.max_model_len
-        )
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.limits.max_model_len)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(
-            Request.from_engine_core_request(request, self.limits.max_model_len)
-        )
+        self.scheduler.add_request(Request.from_engine_core_request(request, self.limits.max_model_len))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -30,9 +30,11 @@ class InputProcessor:
         tokenizer: PreTrainedTokenizerBase,
         limits: ResolvedLimits,
         eos_token_ids: list[int],
+        max_logprobs: int = 20,
     ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.max_logprobs = max_logprobs
         # The first EOS id is the request's EOS; any others (e.g. Llama 3's) act as stop tokens.
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
         self.extra_eos_ids = eos_token_ids[1:]
@@ -47,6 +49,7 @@ class InputProcessor:
         """Returns the core request and the prompt text (None for a token-id prompt)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+        self._validate_params(params)
         text, token_ids = self._tokenize(prompt)
         self._validate_tokens(token_ids)
         if self.extra_eos_ids and not params.ignore_eos:
@@ -75,7 +78,7 @@ class InputProcessor:
         if chat_template is None and self.tokenizer.chat_template is None:
             raise ValueError("This model has no chat template; pass chat_template=... to use chat.")
         text = self.tokenizer.apply_chat_template(
-            conversation,
+            conversation,  # type: ignore[arg-type]
             chat_template=chat_template,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
@@ -98,6 +101,16 @@ class InputProcessor:
             "A prompt must be a string, {'prompt': str} or {'prompt_token_ids': list[int]}, "
             f"got {type(prompt).__name__}."
         )
+
+    def _validate_params(self, params: SamplingParams) -> None:
+        if params.logprobs is None or self.max_logprobs == -1:
+            return
+        wanted = self.limits.vocab_size if params.logprobs == -1 else params.logprobs
+        if wanted > self.max_logprobs:
+            raise ValueError(
+                f"logprobs={params.logprobs} asks for {wanted} logprobs per token; "
+                f"the maximum is {self.max_logprobs} (max_logprobs)."
+            )
 
     def _validate_tokens(self, token_ids: list[int]) -> None:
         if not token_ids:

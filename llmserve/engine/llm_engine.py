@@ -22,7 +22,10 @@ class LLMEngine:
         self.engine_core: EngineCoreClient = InprocClient(config)
         self.limits = self.engine_core.limits
         self.input_processor = InputProcessor(
-            self.tokenizer, self.limits, eos_token_ids(source, self.tokenizer)
+            self.tokenizer,
+            self.limits,
+            eos_token_ids(source, self.tokenizer),
+            config.model_config.max_logprobs,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -41,9 +44,7 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Validates before anything is registered, so a bad request leaves no trace."""
-        request, prompt_text = self.input_processor.process_inputs(
-            request_id, prompt, params, arrival_time
-        )
+        request, prompt_text = self.input_processor.process_inputs(request_id, prompt, params, arrival_time)
         self.output_processor.add_request(request, prompt_text)
         self.engine_core.add_request(request)
 

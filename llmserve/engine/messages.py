@@ -32,13 +32,28 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Raw model logprobs at one position: the chosen token first, then the top-k by rank.
+
+    `ranks[0]` is the chosen token's rank (1 = most likely); the top-k ranks are 1..k.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """What one step produced for one request. `stop_reason` is the stop token id, if any."""
+    """What one step produced for one request. `stop_reason` is the stop token id, if any.
+
+    `new_logprobs` has one entry per new token when the request asked for logprobs.
+    """
 
     request_id: str
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

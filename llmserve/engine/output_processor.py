@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from llmserve.engine.detokenizer import IncrementalDetokenizer
-from llmserve.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
-from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmserve.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs
+from llmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
 from llmserve.sampling_params import RequestOutputKind
 
 
@@ -31,6 +31,9 @@ class RequestState:
         self.hold_back = 0 if self.include_stop else max(longest - 1, 0)
         self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self.token_ids: list[int] = []
+        self.logprobs: SampleLogprobs | None = None if params.logprobs is None else []
+        self.cumulative_logprob = 0.0
+        self.tokenizer = tokenizer
         self.text = ""
         self.sent_tokens = 0
         self.sent_chars = 0
@@ -44,6 +47,8 @@ class RequestState:
             self.metrics.first_token_time = now
         self.metrics.last_token_time = now
         self.token_ids.extend(output.new_token_ids)
+        if self.logprobs is not None and output.new_logprobs:
+            self._add_logprobs(output.new_logprobs)
         previous_len = len(self.text)
         self.text += self.detokenizer.decode(output.new_token_ids)
         self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
@@ -51,6 +56,17 @@ class RequestState:
         if self.finish_reason is not None:
             self.metrics.finished_time = now
         return stopped
+
+    def _add_logprobs(self, entries: list[TokenLogprobs]) -> None:
+        assert self.logprobs is not None
+        for entry in entries:
+            self.cumulative_logprob += entry.logprobs[0]
+            self.logprobs.append(
+                {
+                    token: Logprob(lp, rank, str(self.tokenizer.decode([token])))
+                    for token, lp, rank in zip(entry.token_ids, entry.logprobs, entry.ranks)
+                }
+            )
 
     def _check_stop_strings(self, previous_len: int) -> bool:
         best: tuple[int, str] | None = None
@@ -74,16 +90,20 @@ class RequestState:
         if self.output_kind == RequestOutputKind.DELTA:
             text = self.text[self.sent_chars : visible]
             token_ids = self.token_ids[self.sent_tokens :]
+            logprobs = None if self.logprobs is None else self.logprobs[self.sent_tokens :]
             if not text and not token_ids and not finished:
                 return None
             self.sent_chars = max(self.sent_chars, visible)
             self.sent_tokens = len(self.token_ids)
         else:
             text, token_ids = self.text[:visible], list(self.token_ids)
+            logprobs = None if self.logprobs is None else list(self.logprobs)
         completion = CompletionOutput(
             index=0,
             text=text,
             token_ids=token_ids,
+            cumulative_logprob=None if self.logprobs is None else self.cumulative_logprob,
+            logprobs=logprobs,
             finish_reason=str(self.finish_reason) if finished else None,
             stop_reason=self.stop_reason,
         )

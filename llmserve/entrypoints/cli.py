@@ -21,8 +21,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         kind = int if int in args or hint is int else str
-        parser.add_argument(flag, type=kind, default=f.default, choices=choices or None,
-                            help=f"(default: {f.default})")
+        parser.add_argument(
+            flag, type=kind, default=f.default, choices=choices or None, help=f"(default: {f.default})"
+        )
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -47,11 +47,8 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of them, through the model's chat template."""
-        conversations: list[list[ChatMessage]]
-        if messages and isinstance(messages[0], dict):
-            conversations = [messages]  # type: ignore[list-item]
-        else:
-            conversations = messages  # type: ignore[assignment]
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations: list[list[ChatMessage]] = [messages] if single else messages  # type: ignore[list-item,assignment]
         processor = self.llm_engine.input_processor
         prompts: list[PromptType] = [
             processor.render_chat(c, chat_template, add_generation_prompt) for c in conversations

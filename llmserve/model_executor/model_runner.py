@@ -10,7 +10,7 @@ from llmserve.model_executor.device import resolve_device, resolve_dtype
 from llmserve.model_executor.loader import ModelSource, iter_weights
 from llmserve.model_executor.models.llama import KVCache, LlamaForCausalLM
 from llmserve.model_executor.models.llama_config import LlamaConfig
-from llmserve.model_executor.sampler import SamplingMetadata, sample
+from llmserve.model_executor.sampler import SamplingMetadata, gather_logprobs, sample
 from llmserve.scheduling.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 
@@ -63,8 +63,20 @@ class ModelRunner:
         if not sampling:
             return ModelRunnerOutput({})
         logits = self.model.compute_logits(hidden[torch.tensor(last_tokens, device=self.device)])
-        tokens = sample(logits, self._sampling_metadata(sampling)).tolist()
-        return ModelRunnerOutput({s.request.request_id: t for s, t in zip(sampling, tokens)})
+        sampled = sample(logits, self._sampling_metadata(sampling))
+        ids = [s.request.request_id for s in sampling]
+        output = ModelRunnerOutput(dict(zip(ids, sampled.tolist())))
+        wanted = [
+            (row, k)
+            for row, s in enumerate(sampling)
+            if (k := s.request.sampling_params.logprobs) is not None
+        ]
+        if wanted:
+            rows = torch.tensor([row for row, _ in wanted], device=self.device)
+            ks = [self.config.vocab_size if k == -1 else k for _, k in wanted]
+            entries = gather_logprobs(logits[rows], sampled[rows], ks)
+            output.logprobs = {ids[row]: entry for (row, _), entry in zip(wanted, entries)}
+        return output
 
     def _prepare_inputs(
         self, batch: list[ScheduledRequest]

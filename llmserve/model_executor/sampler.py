@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.engine.messages import TokenLogprobs
+
 
 @dataclass
 class SamplingMetadata:
@@ -68,3 +70,27 @@ def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator
     for row, generator in generators.items():
         noise[row].exponential_(generator=generator)
     return (probs / noise).argmax(dim=-1)
+
+
+def gather_logprobs(
+    logits: torch.Tensor, sampled: torch.Tensor, num_logprobs: list[int]
+) -> list[TokenLogprobs]:
+    """For rows that asked: the sampled token's raw logprob and rank, then the top-k (k per row).
+
+    Computed from the unprocessed logits, as vLLM documents, and only for these rows.
+    """
+    logprobs = logits.float().log_softmax(dim=-1)  # [rows, vocab]
+    chosen = logprobs.gather(1, sampled.unsqueeze(1))  # [rows, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    k_max = max(num_logprobs)
+    top_values, top_ids = logprobs.topk(k_max, dim=-1) if k_max else (chosen[:, :0], sampled[:, None][:, :0])
+    out = []
+    for row, k in enumerate(num_logprobs):
+        out.append(
+            TokenLogprobs(
+                token_ids=[int(sampled[row])] + top_ids[row, :k].tolist(),
+                logprobs=[float(chosen[row, 0])] + top_values[row, :k].tolist(),
+                ranks=[int(ranks[row])] + list(range(1, k + 1)),
+            )
+        )
+    return out

@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from llmserve.config import SchedulerConfig
-from llmserve.engine.messages import EngineCoreOutput, SchedulerStats
+from llmserve.engine.messages import EngineCoreOutput, SchedulerStats, TokenLogprobs
 from llmserve.scheduling.kv_cache_manager import KVCacheManager
 from llmserve.scheduling.request import Request, RequestStatus
 
@@ -36,9 +36,11 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """The token sampled for each request whose scheduled tokens reached its end."""
+    """The token sampled for each request whose scheduled tokens reached its end, and its logprobs
+    for the requests that asked."""
 
     sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -139,12 +141,14 @@ class Scheduler:
             request.append_output_token(token)
             if request.check_stop():
                 self._free_finished(request)
+            logprobs = runner_output.logprobs.get(request.request_id)
             outputs.append(
                 EngineCoreOutput(
                     request.request_id,
                     [token],
                     request.status.finish_reason,
                     request.stop_reason,
+                    None if logprobs is None else [logprobs],
                 )
             )
         return outputs

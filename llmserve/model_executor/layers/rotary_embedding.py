@@ -45,7 +45,7 @@ class RotaryEmbedding(nn.Module):
 
     def compute_tables(self) -> None:
         """(Re)build the cos/sin tables in fp32 on the module's device, e.g. after `to_empty()`."""
-        device = self.cos.device
+        device = self.get_buffer("cos").device
         if device.type == "meta":
             return
         inv_freq = _inv_freq(self.head_dim, self.theta, self.scaling).to(device)

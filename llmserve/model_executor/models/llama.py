@@ -130,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into our parameters; every one must be set."""
         params = dict(self.named_parameters())
-        expected = {(name, None) for name in params}
+        expected: set[tuple[str, int | None]] = {(name, None) for name in params}
         for name in params:
             fragment = name.split(".")[-2] if "." in name else ""
             if fragment in ("qkv_proj", "gate_up_proj"):

@@ -48,6 +48,11 @@ class LlamaConfig:
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else f"{str(cfg.get('model_type', '?')).capitalize()}ForCausalLM"
         num_heads = int(cfg["num_attention_heads"])
+        # transformers >= 5 writes `rope_parameters` where older configs have rope_theta/rope_scaling.
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling")
+        if scaling is None and rope.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         hidden = int(cfg["hidden_size"])
         return cls(
             architecture=arch,
@@ -59,9 +64,9 @@ class LlamaConfig:
             num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_scaling=scaling,
         )

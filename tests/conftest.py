@@ -1,0 +1,31 @@
+"""Models on disk for the tests: a tiny random Llama (HF folder and GGUF) and the packaged default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llmserve.model_executor.loader import resolve_model
+from tests.fixtures.tiny_llama import write_gguf, write_tiny_llama_hf
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with config.json, model.safetensors and tokenizer files of a tiny random Llama."""
+    return write_tiny_llama_hf(tmp_path_factory.mktemp("tiny_llama_hf"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_gguf_path(tiny_llama_hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same model as a llama-arch .gguf (q/k rows permuted as llama.cpp does, F32 and one F16)."""
+    return write_gguf(tmp_path_factory.mktemp("tiny_llama_gguf") / "tiny-llama.gguf", tiny_llama_hf_dir)
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    """The packaged SmolLM2-135M-Instruct GGUF file; skips the test when the package is missing."""
+    try:
+        return resolve_model("smollm2-135m-instruct").path
+    except ValueError as e:
+        pytest.skip(str(e))

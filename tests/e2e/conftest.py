@@ -1,0 +1,43 @@
+"""The real default model, loaded once per session: by us, and by Hugging Face as the reference."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from llmserve import LLM
+
+# Fixed prompts of mixed lengths and kinds (prose, code, a list, chat-formatted, numbers).
+PROMPTS = [
+    "The capital of France is",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "Once upon a time, in a small village at the edge of a great forest, there lived",
+    "<|im_start|>user\nWhat are three good habits for staying healthy?<|im_end|>\n<|im_start|>assistant\n",
+    "1, 2, 3, 5, 8, 13,",
+    "The theory of general relativity, published by Albert Einstein in 1915, describes gravity as",
+    "Here is a list of fruits:\n- apple\n- banana\n-",
+    "Q: Why is the sky blue?\nA:",
+]
+
+
+@pytest.fixture(scope="session")
+def llm() -> Iterator[LLM]:
+    engine = LLM(kv_cache_memory=512 << 20, max_num_seqs=128)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_model_path: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
+    )
+    model.generation_config.eos_token_id = None  # generate the full length, as ignore_eos does
+    model.generation_config.pad_token_id = 2
+    return model.eval()

@@ -1,0 +1,51 @@
+"""Greedy output equals Hugging Face transformers' on the same GGUF weights, alone and batched."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from llmserve import LLM, SamplingParams
+from tests.e2e.conftest import PROMPTS
+from tests.e2e.greedy_reference import Reference, compare_greedy, hf_greedy
+
+NUM_TOKENS = 64
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def references(llm: LLM, hf_model: Any) -> list[Reference]:
+    tokenizer = llm.get_tokenizer()
+    return [hf_greedy(hf_model, tokenizer.encode(p), NUM_TOKENS) for p in PROMPTS]
+
+
+def check_all(outputs: list[Any], references: list[Reference]) -> None:
+    notes = [compare_greedy(o.outputs[0], ref) for o, ref in zip(outputs, references)]
+    for prompt, note in zip(PROMPTS, notes):
+        if note:
+            print(f"{prompt[:30]!r}: {note}")
+
+
+def test_each_prompt_alone_matches_hf(llm: LLM, references: list[Reference]) -> None:
+    outputs = [llm.generate(p, GREEDY, use_tqdm=False)[0] for p in PROMPTS]
+    check_all(outputs, references)
+
+
+def test_batch_of_mixed_lengths_matches_hf(llm: LLM, references: list[Reference]) -> None:
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.prompt for o in outputs] == PROMPTS
+    check_all(outputs, references)
+
+
+def test_logprobs_match_hf(llm: LLM, references: list[Reference]) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    output = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+    assert output.logprobs is not None
+    for position, entry in enumerate(output.logprobs):
+        ref = references[0].logprobs[position]
+        top = ref.topk(5)
+        ranked = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank is not None)
+        assert [t for _, t, _ in ranked[:5]] == top.indices.tolist()
+        for (_, _, ours), theirs in zip(ranked, top.values.tolist()):
+            assert abs(ours - theirs) < 1e-3
