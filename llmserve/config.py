@@ -66,6 +66,7 @@ class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    multiprocess: bool = True
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class EngineArgs:
     kv_cache_memory: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    multiprocess: bool = True  # run the engine core in its own process (False: in this one)
 
     def create_engine_config(self) -> EngineConfig:
         def pick(cls: type) -> dict[str, object]:
@@ -103,6 +105,7 @@ class EngineArgs:
             model_config=ModelConfig(**pick(ModelConfig)),  # type: ignore[arg-type]
             cache_config=CacheConfig(**pick(CacheConfig)),  # type: ignore[arg-type]
             scheduler_config=SchedulerConfig(**pick(SchedulerConfig)),  # type: ignore[arg-type]
+            multiprocess=self.multiprocess,
         )
 
     @classmethod

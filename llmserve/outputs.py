@@ -55,3 +55,28 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    def add(self, other: RequestOutput, aggregate: bool) -> None:
+        """Fold a later output of the same request into this one (when a consumer lags behind).
+
+        With `aggregate` (DELTA outputs) texts, token ids and logprobs are concatenated per sample
+        index; otherwise each sample is replaced by its newer version.
+        """
+        by_index = {c.index: i for i, c in enumerate(self.outputs)}
+        for new in other.outputs:
+            i = by_index.get(new.index)
+            if i is None:
+                self.outputs.append(new)
+            elif not aggregate:
+                self.outputs[i] = new
+            else:
+                old = self.outputs[i]
+                old.text += new.text
+                old.token_ids = old.token_ids + new.token_ids
+                if new.logprobs is not None:
+                    old.logprobs = (old.logprobs or []) + new.logprobs
+                old.cumulative_logprob = new.cumulative_logprob
+                old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+        self.outputs.sort(key=lambda c: c.index)
+        self.finished = other.finished
+        self.metrics = other.metrics or self.metrics

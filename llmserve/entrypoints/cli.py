@@ -19,6 +19,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
         choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
+        if hint is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            continue
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         kind = int if int in args or hint is int else str
         parser.add_argument(

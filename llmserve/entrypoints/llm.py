@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from llmserve.config import DEFAULT_MODEL, EngineArgs
 from llmserve.engine.input_processor import ChatMessage, PromptType
 from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.parallel_sampling import fan_out
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -72,23 +73,16 @@ class LLM:
         self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
         engine = self.llm_engine
-        # Only finished outputs are returned, so intermediate cumulative ones need not be built.
-        params = [
-            sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-            if sp.output_kind == RequestOutputKind.CUMULATIVE
-            else sp
-            for sp in params
-        ]
-        processed = [
-            engine.input_processor.process_inputs(str(next(self._request_counter)), p, sp)
-            for p, sp in zip(prompts, params)
-        ]  # all validated before any is added, so one bad prompt leaves the engine untouched
-        order = {request.request_id: i for i, (request, _) in enumerate(processed)}
-        for request, text in processed:
-            engine.output_processor.add_request(request, text)
-            engine.engine_core.add_request(request)
-        results: list[RequestOutput | None] = [None] * len(processed)
-        with tqdm(total=len(processed), desc="Processed prompts", disable=not use_tqdm) as bar:
+        # Only finished outputs are returned: whatever the output kind, each holds the whole sample.
+        params = [sp.clone(output_kind=RequestOutputKind.FINAL_ONLY) for sp in params]
+        ids = [str(next(self._request_counter)) for _ in prompts]
+        # All validated before any is submitted, so one bad prompt leaves the engine untouched.
+        staged = [fan_out(engine.input_processor, i, p, sp) for i, p, sp in zip(ids, prompts, params)]
+        for item in staged:
+            engine.submit(*item)
+        order = {request_id: i for i, request_id in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             try:
                 while engine.has_unfinished_requests():
                     for output in engine.step():

@@ -60,3 +60,12 @@ def compare_greedy(ours: CompletionOutput, ref: Reference) -> str | None:
         return f"near-tie at token {i}: ours {a}, HF {b}"
     assert len(ours.token_ids) == len(ref.token_ids)
     return None
+
+
+@torch.no_grad()
+def hf_teacher_forced(model: Any, prompt_ids: list[int], generated: list[int]) -> Reference:
+    """HF's greedy choice at each position given our tokens so far: one forward pass instead of a
+    generate() loop. Up to the first divergence this is exactly HF's greedy continuation."""
+    logits = model(torch.tensor([prompt_ids + generated])).logits[0, len(prompt_ids) - 1 : -1]
+    logprobs = logits.float().log_softmax(-1)
+    return Reference(logprobs.argmax(-1).tolist(), list(logprobs))
