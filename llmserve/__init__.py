@@ -1,8 +1,34 @@
-"""llmserve: run and serve large language models."""
+"""llmserve: run and serve large language models.
 
-from llmserve.entrypoints.llm import LLM
-from llmserve.outputs import CompletionOutput, RequestOutput
-from llmserve.sampling_params import RequestOutputKind, SamplingParams
+The public names are imported lazily, so that the engine core process (which imports
+`llmserve.engine.core_proc`) does not pay for the front end's imports (transformers, tokenizers).
+"""
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestOutputKind"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "llmserve.entrypoints.llm",
+    "AsyncLLM": "llmserve.engine.async_llm",
+    "SamplingParams": "llmserve.sampling_params",
+    "RequestOutputKind": "llmserve.sampling_params",
+    "RequestOutput": "llmserve.outputs",
+    "CompletionOutput": "llmserve.outputs",
+}
+__all__ = list(_EXPORTS)
+
+if TYPE_CHECKING:
+    from llmserve.engine.async_llm import AsyncLLM
+    from llmserve.entrypoints.llm import LLM
+    from llmserve.outputs import CompletionOutput, RequestOutput
+    from llmserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'llmserve' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,0 +1,195 @@
+"""`AsyncLLM`: the streaming API. Requests go to the engine core process; one background task turns its
+outputs into `RequestOutput`s and hands each to its request's `RequestOutputCollector`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncGenerator, Iterable
+from typing import Any, Protocol
+
+from transformers import PreTrainedTokenizerBase
+
+from llmserve.config import DEFAULT_MODEL, EngineArgs, EngineConfig
+from llmserve.engine.core_client import EngineCoreClient, make_client
+from llmserve.engine.exceptions import EngineDeadError
+from llmserve.engine.input_processor import InputProcessor, PromptType
+from llmserve.engine.messages import SchedulerStats
+from llmserve.engine.output_collector import RequestOutputCollector
+from llmserve.engine.output_processor import OutputProcessor
+from llmserve.engine.parallel_sampling import fan_out
+from llmserve.metrics.loggers import LoggingStatLogger
+from llmserve.metrics.stats import IterationStats
+from llmserve.model_executor.loader import load_tokenizer, resolve_model
+from llmserve.model_executor.loader.tokenizer import eos_token_ids
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("llmserve")
+
+# Outputs are processed in chunks of this many, yielding to the event loop in between, so that one
+# big step does not stall the streams that are being written.
+OUTPUT_CHUNK_SIZE = 256
+
+
+class StatLogger(Protocol):
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats) -> None: ...
+
+    def maybe_log(self) -> None: ...
+
+
+class AsyncLLM:
+    """Constructed like `LLM`: `AsyncLLM()` loads the default model; keyword arguments are `EngineArgs`
+    fields. With `start_engine_loop` the output handler starts as soon as an event loop runs (at
+    construction inside one, else with the first request); without, only with the first request.
+    """
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        log_requests: bool = False,
+        log_stats: bool = True,
+        start_engine_loop: bool = True,
+        stat_loggers: Iterable[StatLogger] = (),
+        **engine_kwargs: Any,
+    ) -> None:
+        config = EngineArgs.from_kwargs(model=model, **engine_kwargs).create_engine_config()
+        self._init(config, log_requests, log_stats, list(stat_loggers))
+        if start_engine_loop:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            self._start_output_handler()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **options: Any) -> AsyncLLM:
+        return cls(**dataclasses.asdict(engine_args), **options)
+
+    def _init(
+        self, config: EngineConfig, log_requests: bool, log_stats: bool, stat_loggers: list[StatLogger]
+    ) -> None:
+        self.config = config
+        self.log_requests = log_requests
+        source = resolve_model(config.model_config.model)
+        self.tokenizer = load_tokenizer(source, config.model_config.chat_template)
+        self.engine_core: EngineCoreClient = make_client(config, asyncio_mode=True)
+        self.limits = self.engine_core.limits
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            self.limits,
+            eos_token_ids(source, self.tokenizer),
+            config.model_config.max_logprobs,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stat_loggers: list[StatLogger] = ([LoggingStatLogger()] if log_stats else []) + stat_loggers
+        self._output_handler: asyncio.Task[None] | None = None
+        self._dead_error: BaseException | None = None
+
+    @property
+    def errored(self) -> bool:
+        return self._dead_error is not None
+
+    @property
+    def is_running(self) -> bool:
+        return self._output_handler is not None and not self._output_handler.done()
+
+    async def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.tokenizer
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> RequestOutputCollector:
+        """Validate (raising `ValueError` before anything reaches the core) and submit."""
+        if self._dead_error is not None:
+            raise EngineDeadError(f"The engine is dead: {self._dead_error}")
+        text, parent, requests = fan_out(self.input_processor, request_id, prompt, params, arrival_time)
+        if request_id in self.output_processor.request_states or request_id in self.output_processor.parents:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        self._start_output_handler()
+        collector = RequestOutputCollector(params.output_kind)
+        for index, request in enumerate(requests):
+            self.output_processor.add_request(request, text, parent, index, collector)
+        for request in requests:
+            await self.engine_core.add_request_async(request)
+        if self.log_requests:
+            logger.info("Added request %s.", request_id)
+        return collector
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        arrival_time: float | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream this request's outputs. Closing or cancelling the stream aborts the request."""
+        collector: RequestOutputCollector | None = None
+        try:
+            collector = await self.add_request(request_id, prompt, sampling_params, arrival_time)
+            finished = False
+            while not finished:
+                output = collector.get_nowait() or await collector.get()
+                finished = output.finished
+                yield output
+        except (asyncio.CancelledError, GeneratorExit):
+            if collector is not None:
+                await asyncio.shield(self.abort(request_id))
+            raise
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        """Abort requests (parents abort every child); unknown or finished ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        core_ids = self.output_processor.abort_requests(ids)
+        if self._dead_error is None and core_ids:
+            with contextlib.suppress(EngineDeadError):  # the output handler reports the death
+                await self.engine_core.abort_requests_async(core_ids)
+        if self.log_requests:
+            logger.info("Aborted request(s) %s.", ", ".join(ids))
+
+    def _start_output_handler(self) -> None:
+        if self._output_handler is None:
+            self._output_handler = asyncio.create_task(self._run_output_handler())
+
+    async def _run_output_handler(self) -> None:
+        try:
+            while True:
+                outputs = await self.engine_core.get_output_async()
+                items = outputs.outputs
+                for start in range(0, max(len(items), 1), OUTPUT_CHUNK_SIZE):
+                    processed = self.output_processor.process_outputs(
+                        items[start : start + OUTPUT_CHUNK_SIZE]
+                    )
+                    if processed.reqs_to_abort:
+                        await self.engine_core.abort_requests_async(processed.reqs_to_abort)
+                    for logger_ in self.stat_loggers:
+                        logger_.record(outputs.scheduler_stats, processed.stats)
+                    if self.log_requests:
+                        for finished in processed.stats.finished_requests:
+                            logger.info("Finished a request (%s).", finished.finish_reason)
+                    if start + OUTPUT_CHUNK_SIZE < len(items):
+                        await asyncio.sleep(0)
+                for logger_ in self.stat_loggers:
+                    logger_.maybe_log()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            error = (
+                e
+                if isinstance(e, EngineDeadError)
+                else EngineDeadError(f"Engine output handler failed: {e!r}")
+            )
+            self._dead_error = error
+            logger.error("The engine died: %s", error)
+            self.output_processor.propagate_error(error)
+
+    def shutdown(self) -> None:
+        if self._output_handler is not None:
+            self._output_handler.cancel()
+        self.engine_core.shutdown()
