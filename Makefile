@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 serve: install
-	$(VENV)/bin/llmserve generate "The capital of France is"
+	$(VENV)/bin/llmserve serve
 
 test: install lint
 	$(VENV)/bin/pytest -q

@@ -9,6 +9,7 @@ import typing
 from collections.abc import Sequence
 
 from llmserve.config import EngineArgs
+from llmserve.entrypoints.openai.server_args import add_server_args, server_args_from
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +48,12 @@ def _generate(ns: argparse.Namespace) -> None:
     llm.shutdown()
 
 
+def _serve(ns: argparse.Namespace) -> None:
+    from llmserve.entrypoints.openai.api_server import run_server
+
+    run_server(engine_args_from(ns), server_args_from(ns))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmserve", description="Run and serve language models.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -59,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+    serve = commands.add_parser("serve", help="Start the OpenAI-compatible HTTP server.")
+    serve.add_argument(
+        "model", nargs="?", default=EngineArgs.model, help="GGUF file, HF folder or packaged name"
+    )
+    add_server_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=_serve)
     return parser
 
 
@@ -68,3 +82,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         ns.func(ns)
     except ValueError as e:
         sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

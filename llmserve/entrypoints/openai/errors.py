@@ -1,0 +1,135 @@
+"""Every failure leaves the server as OpenAI's error body, `{"error": {message, type, param, code}}`, so
+that OpenAI clients raise their usual exception types (BadRequestError, NotFoundError, ...)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from llmserve.engine.exceptions import EngineDeadError
+
+# Status code of a request whose client left before the answer (nginx's convention; nobody reads it).
+CLIENT_CLOSED_REQUEST = 499
+
+
+class OpenAIError(Exception):
+    """An error the client caused or must learn about, with OpenAI's fields."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+    def body(self) -> dict[str, dict[str, Any]]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request ran; the request has been aborted."""
+
+
+def bad_request(error: ValueError, fields: Iterable[str], fallback: str | None = None) -> OpenAIError:
+    """A 400 from an engine `ValueError`. Those messages start with the offending field's name, which
+    becomes `param` when it is one of the request's `fields`; otherwise `fallback` is named."""
+    message = str(error)
+    first_word = re.match(r"\w+", message)
+    param = first_word.group(0) if first_word and first_word.group(0) in set(fields) else fallback
+    return OpenAIError(message, param=param)
+
+
+def model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(
+        f"The model `{model}` does not exist.", status=404, param="model", code="model_not_found"
+    )
+
+
+def engine_dead(error: BaseException | None = None) -> OpenAIError:
+    message = str(error) if error is not None and str(error) else "The engine is dead."
+    return OpenAIError(message, status=503, type="server_error")
+
+
+# What pydantic adds to an error's location to say which member of a union failed: not a field.
+_UNION_TAGS = {"str", "int", "float", "bool", "none"}
+
+
+def _param_of(loc: tuple[int | str, ...]) -> str | None:
+    """("body", "messages", 0, "role") → "messages[0].role", OpenAI's spelling of a nested parameter."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, str) and (part in _UNION_TAGS or "[" in part):
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or None
+
+
+def _validation_error(error: RequestValidationError) -> OpenAIError:
+    first = error.errors()[0]
+    param = _param_of(tuple(first.get("loc", ())))
+    kind = first.get("type")
+    if kind == "json_invalid":
+        return OpenAIError(f"The request body is not valid JSON: {first.get('msg')}.")
+    if param is None:
+        return OpenAIError("The request body must be a JSON object.")
+    if kind == "missing":
+        return OpenAIError(f"Missing required parameter: '{param}'.", param=param)
+    if kind == "extra_forbidden":
+        return OpenAIError(f"Unrecognized request argument supplied: {param}", param=param)
+    reason = first.get("ctx", {}).get("error") if kind == "value_error" else None
+    return OpenAIError(f"Invalid value for '{param}': {reason or first.get('msg')}", param=param)
+
+
+async def _on_openai_error(_: Request, error: Exception) -> Response:
+    assert isinstance(error, OpenAIError)  # registered for this type only
+    return error.response()
+
+
+async def _on_validation_error(_: Request, error: Exception) -> Response:
+    assert isinstance(error, RequestValidationError)
+    return _validation_error(error).response()
+
+
+async def _on_http_error(_: Request, error: Exception) -> Response:
+    assert isinstance(error, HTTPException)
+    kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+    return OpenAIError(str(error.detail), status=error.status_code, type=kind).response()
+
+
+async def _on_engine_dead(_: Request, error: Exception) -> Response:
+    return engine_dead(error).response()
+
+
+async def _on_client_gone(_: Request, __: Exception) -> Response:
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+async def _on_unexpected(_: Request, error: Exception) -> Response:
+    # Starlette re-raises the error after this response, so uvicorn logs its traceback.
+    return OpenAIError(f"Internal server error: {error!r}", status=500, type="server_error").response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(OpenAIError, _on_openai_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(HTTPException, _on_http_error)
+    app.add_exception_handler(EngineDeadError, _on_engine_dead)
+    app.add_exception_handler(ClientGone, _on_client_gone)
+    app.add_exception_handler(Exception, _on_unexpected)

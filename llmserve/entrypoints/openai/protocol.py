@@ -1,0 +1,219 @@
+"""Request bodies of the OpenAI API, as pydantic models.
+
+Unknown fields are refused, as OpenAI does. OpenAI fields we do not implement are declared only to be
+told apart: each lists its harmless values (those that change nothing, like `presence_penalty: 0`), and
+any other value is refused with a 400 naming the field, never silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal, cast
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from llmserve.engine.input_processor import PromptType, TokensPrompt
+from llmserve.sampling_params import RequestOutputKind, SamplingParams
+
+_UNSET: tuple[object, ...] = (None,)
+
+
+class OpenAIRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # field name → the values accepted although the feature is not implemented
+    harmless: ClassVar[dict[str, tuple[object, ...]]] = {}
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        allowed = cls.harmless.get(info.field_name or "")
+        if allowed is not None and value not in allowed:
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return value
+
+
+class StreamOptions(OpenAIRequest):
+    include_usage: bool = False
+
+
+class SamplingRequest(OpenAIRequest):
+    """The fields completions and chat completions share: the model, sampling and streaming."""
+
+    harmless: ClassVar[dict[str, tuple[object, ...]]] = {
+        "presence_penalty": (None, 0),
+        "frequency_penalty": (None, 0),
+        "repetition_penalty": (None, 1),
+        "logit_bias": (None, {}),
+    }
+
+    model: str | None = None  # None: the first served model name
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # ignored, as OpenAI allows
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, output_kind: RequestOutputKind
+    ) -> SamplingParams:
+        """Raises `ValueError` naming the field when a value is out of range."""
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            logprobs=logprobs,
+            output_kind=output_kind,
+        )
+
+
+Prompt = Annotated[
+    str | list[str] | list[int] | list[list[int]],
+    Field(description="text, texts, token ids or lists of token ids; one engine request per prompt"),
+]
+
+
+class CompletionRequest(SamplingRequest):
+    harmless: ClassVar[dict[str, tuple[object, ...]]] = {
+        **SamplingRequest.harmless,
+        "suffix": _UNSET,
+        "best_of": (None, 1),
+    }
+
+    prompt: Prompt
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[PromptType]:
+        """Each prompt on its own, texts as they are and token ids as `TokensPrompt`s."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        out: list[PromptType] = []
+        for item in prompt:
+            if isinstance(item, int):  # one prompt of token ids
+                return [TokensPrompt(prompt_token_ids=cast(list[int], prompt))]
+            out.append(item if isinstance(item, str) else TokensPrompt(prompt_token_ids=item))
+        return out
+
+
+class TextPart(OpenAIRequest):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIRequest):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None  # accepted; chat templates do not use it
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        for part in value if isinstance(value, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"only text content parts are supported, got type {kind!r}")
+        return value
+
+    def for_template(self) -> dict[str, object]:
+        """The message as chat templates expect it: one string of content; `developer` is OpenAI's
+        newer name for `system`."""
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ChatCompletionRequest(SamplingRequest):
+    harmless: ClassVar[dict[str, tuple[object, ...]]] = {
+        **SamplingRequest.harmless,
+        "tools": (None, []),
+        "tool_choice": (None, "none"),
+        "parallel_tool_calls": (None, True, False),
+        "functions": (None, []),
+        "function_call": (None, "none"),
+        "response_format": (None, {"type": "text"}),
+        "modalities": (None, ["text"]),
+        "audio": _UNSET,
+        "prediction": _UNSET,
+        "reasoning_effort": _UNSET,
+        "web_search_options": _UNSET,
+    }
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    store: bool | None = None  # nothing is stored either way
+    metadata: dict[str, str] | None = None  # ignored, as it is when store is off
+    service_tier: str | None = None  # one tier here
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def engine_logprobs(self) -> int | None:
+        """Chat's `logprobs: true` + `top_logprobs: k` is the engine's `logprobs=k`."""
+        if not self.logprobs:
+            if self.top_logprobs is not None:
+                raise ValueError("top_logprobs requires logprobs to be true")
+            return None
+        return self.top_logprobs or 0
+
+
+class TokenizeRequest(OpenAIRequest):
+    """Either a `prompt` (as completions tokenize it) or `messages` (through the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(OpenAIRequest):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,65 @@
+"""The server's own options (the engine's come from `EngineArgs`), and their command-line flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+API_KEY_ENV = "LLMSERVE_API_KEY"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # required as `Authorization: Bearer <key>` on /v1/*
+    served_model_names: tuple[str, ...] = ()  # empty: the model argument
+    disable_log_stats: bool = False
+    enable_log_requests: bool = False
+    uvicorn_log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}.")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty.")
+        if any(not name for name in self.served_model_names):
+            raise ValueError("served_model_name must not be empty.")
+        if self.uvicorn_log_level not in LOG_LEVELS:
+            raise ValueError(f"uvicorn_log_level must be one of {', '.join(LOG_LEVELS)}.")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    d = ServerArgs()
+    parser.add_argument("--host", default=d.host, help=f"address to listen on (default: {d.host})")
+    parser.add_argument("--port", type=int, default=d.port, help=f"(default: {d.port})")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require this key on /v1/* as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, else none)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the model name(s) clients use; the first is reported (default: the model argument)",
+    )
+    parser.add_argument(
+        "--disable-log-stats", action="store_true", help="no periodic stats log line (/metrics stays on)"
+    )
+    parser.add_argument("--enable-log-requests", action="store_true", help="log each request's start and end")
+    parser.add_argument("--uvicorn-log-level", default=d.uvicorn_log_level, choices=LOG_LEVELS)
+
+
+def server_args_from(ns: argparse.Namespace) -> ServerArgs:
+    return ServerArgs(
+        host=ns.host,
+        port=ns.port,
+        api_key=ns.api_key if ns.api_key is not None else os.environ.get(API_KEY_ENV) or None,
+        served_model_names=tuple(ns.served_model_name or ()),
+        disable_log_stats=ns.disable_log_stats,
+        enable_log_requests=ns.enable_log_requests,
+        uvicorn_log_level=ns.uvicorn_log_level,
+    )

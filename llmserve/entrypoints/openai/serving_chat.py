@@ -1,0 +1,108 @@
+"""`POST /v1/chat/completions`: the messages through the model's chat template, one engine request."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+
+from llmserve.entrypoints.openai.errors import bad_request
+from llmserve.entrypoints.openai.logprobs import chat_logprobs
+from llmserve.entrypoints.openai.protocol import ChatCompletionRequest
+from llmserve.entrypoints.openai.responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChoiceLogprobs,
+    UsageInfo,
+)
+from llmserve.entrypoints.openai.serving_engine import OpenAIServing, PreparedPrompt
+from llmserve.entrypoints.openai.streaming import DONE, error_event, event
+from llmserve.outputs import CompletionOutput
+from llmserve.sampling_params import SamplingParams
+
+
+class OpenAIServingChat(OpenAIServing):
+    def _start(self, request: ChatCompletionRequest) -> tuple[str, str, SamplingParams, PreparedPrompt]:
+        """Everything that can fail with a 400/404, done before the engine sees the request."""
+        model = self.check_request(request)
+        try:
+            logprobs = request.engine_logprobs()
+        except ValueError as e:
+            raise bad_request(e, ChatCompletionRequest.model_fields) from e
+        params = self.sampling_params(request, request.max_new_tokens, logprobs)
+        prompt = self.render_chat(request.messages)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        return request_id, model, params, self.prepare(request_id, [prompt], params, request, "messages")[0]
+
+    async def create(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
+        request_id, model, params, prompt = self._start(request)
+        samples: list[CompletionOutput] = []
+        async with aclosing(self.generate(request_id, [prompt], params)) as stream:
+            async for _, output in stream:
+                samples = output.outputs
+        choices = [
+            ChatChoice(
+                index=s.index,
+                message=AssistantMessage(content=s.text),
+                logprobs=self._logprobs(s, params),
+                finish_reason=s.finish_reason,
+            )
+            for s in samples
+        ]
+        usage = UsageInfo.of(len(prompt.token_ids), sum(len(s.token_ids) for s in samples))
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+
+    def create_stream(self, request: ChatCompletionRequest) -> AsyncGenerator[str, None]:
+        """Validates now (errors are raised here, before the 200); the returned events do the rest."""
+        request_id, model, params, prompt = self._start(request)
+        return self._events(request, request_id, model, params, prompt)
+
+    async def _events(
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        model: str,
+        params: SamplingParams,
+        prompt: PreparedPrompt,
+    ) -> AsyncGenerator[str, None]:
+        created = int(time.time())
+
+        def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+            return event(
+                ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
+            )
+
+        completion_tokens = 0
+        try:
+            for index in range(params.n):  # as OpenAI: the role first, with empty content
+                yield chunk([ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""})])
+            async with aclosing(self.generate(request_id, [prompt], params)) as stream:
+                async for _, output in stream:
+                    choices = []
+                    for s in output.outputs:
+                        completion_tokens += len(s.token_ids)
+                        delta = {"content": s.text} if s.text or not s.finish_reason else {}
+                        choices.append(
+                            ChatChunkChoice(
+                                index=s.index,
+                                delta=delta,
+                                logprobs=self._logprobs(s, params),
+                                finish_reason=s.finish_reason,
+                            )
+                        )
+                    yield chunk(choices)
+            if request.include_usage:
+                yield chunk([], UsageInfo.of(len(prompt.token_ids), completion_tokens))
+        except Exception as e:  # a closed or cancelled stream is no Exception: it just ends
+            yield error_event(e)
+        yield DONE
+
+    @staticmethod
+    def _logprobs(sample: CompletionOutput, params: SamplingParams) -> ChoiceLogprobs | None:
+        if params.logprobs is None or sample.logprobs is None:
+            return None
+        return ChoiceLogprobs(content=chat_logprobs(sample.token_ids, sample.logprobs, params.logprobs))

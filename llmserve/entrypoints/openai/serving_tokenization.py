@@ -1,0 +1,32 @@
+"""`POST /tokenize` and `POST /detokenize`, with the tokenizer and chat template the engine uses."""
+
+from __future__ import annotations
+
+from llmserve.entrypoints.openai.errors import OpenAIError
+from llmserve.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
+from llmserve.entrypoints.openai.responses import DetokenizeResponse, TokenizeResponse
+from llmserve.entrypoints.openai.serving_engine import OpenAIServing
+
+
+class OpenAIServingTokenization(OpenAIServing):
+    def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        self.models.resolve(request.model)
+        if request.messages is not None and request.prompt is None:
+            tokens = self.render_chat(request.messages, request.add_generation_prompt)["prompt_token_ids"]
+        elif request.prompt is not None and request.messages is None:
+            tokens = self.engine.tokenizer.encode(
+                request.prompt, add_special_tokens=request.add_special_tokens
+            )
+        else:
+            raise OpenAIError("Give exactly one of 'prompt' and 'messages'.", param="prompt")
+        return TokenizeResponse(
+            count=len(tokens), max_model_len=self.engine.limits.max_model_len, tokens=tokens
+        )
+
+    def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        self.models.resolve(request.model)
+        vocab_size = self.engine.limits.vocab_size
+        bad = next((t for t in request.tokens if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise OpenAIError(f"Token id {bad} is out of vocabulary (size {vocab_size}).", param="tokens")
+        return DetokenizeResponse(prompt=str(self.engine.tokenizer.decode(request.tokens)))

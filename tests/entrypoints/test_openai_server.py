@@ -1,0 +1,258 @@
+"""`llmserve serve` end to end: the official `openai` client (sync and async) and raw HTTP against a
+real server process on the default model. Requests are short and run concurrently where they can:
+the whole module shares two CPU cores with the rest of the suite."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from transformers import PreTrainedTokenizerBase
+
+from tests.entrypoints.conftest import MODEL
+from tests.entrypoints.remote_server import RemoteServer
+
+PROMPT = "The capital of France is"
+MESSAGES: list[Any] = [
+    {"role": "system", "content": "You answer in one short sentence."},
+    {"role": "user", "content": [{"type": "text", "text": "Name a color."}]},
+]
+ERROR_FIELDS = {"message", "type", "param", "code"}
+
+
+@pytest.fixture(scope="module")
+def client(server: RemoteServer) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def async_client(server: RemoteServer) -> openai.AsyncOpenAI:
+    """Made inside each test: an async fixture would live on another event loop than the test."""
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_completions_sync_stream_equals_non_stream(
+    client: openai.OpenAI, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    args: dict[str, Any] = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0.0)
+    full = client.completions.create(**args, extra_body={"ignore_eos": True})
+    assert full.object == "text_completion" and full.id.startswith("cmpl-")
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage is not None
+    assert full.usage.prompt_tokens == len(tokenizer.encode(PROMPT))
+    assert full.usage.completion_tokens == 6
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 6
+
+    chunks = list(
+        client.completions.create(
+            **args, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+
+
+async def test_chat_async_stream_equals_non_stream(
+    server: RemoteServer, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    args: dict[str, Any] = dict(model=MODEL, messages=MESSAGES, max_completion_tokens=6, temperature=0.0)
+    async with async_client(server) as client:
+
+        async def streamed() -> list[Any]:
+            stream = await client.chat.completions.create(
+                **args, stream=True, stream_options={"include_usage": True}
+            )
+            return [chunk async for chunk in stream]
+
+        full, chunks = await asyncio.gather(client.chat.completions.create(**args), streamed())
+    assert full.object == "chat.completion" and full.id.startswith("chatcmpl-")
+    conversation = [MESSAGES[0], {"role": "user", "content": "Name a color."}]
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert full.usage is not None
+    assert full.usage.prompt_tokens == len(tokenizer.encode(str(rendered), add_special_tokens=False))
+    text = full.choices[0].message.content
+    assert text and full.choices[0].message.role == "assistant"
+    if full.choices[0].finish_reason == "length":
+        assert full.usage.completion_tokens == 6
+
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-2].choices[0].finish_reason == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+
+
+async def test_n_prompts_echo_and_logprobs(server: RemoteServer, tokenizer: PreTrainedTokenizerBase) -> None:
+    token_prompt = tokenizer.encode("Once upon a time")
+    async with async_client(server) as client:
+        n2_chat, batch, logprobs, chat_logprobs = await asyncio.gather(
+            client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, n=2, max_tokens=4, temperature=1.0, seed=7
+            ),
+            client.completions.create(
+                model=MODEL, prompt=[token_prompt, tokenizer.encode(PROMPT)], n=2, max_tokens=3, echo=True
+            ),
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, logprobs=2, temperature=0.0),
+            client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=3, logprobs=True, top_logprobs=2, temperature=0.0
+            ),
+        )
+    assert sorted(c.index for c in n2_chat.choices) == [0, 1]
+
+    # choice index = prompt index * n + sample index; echo prepends each prompt's text
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert all(c.text.startswith("Once upon a time") for c in batch.choices[:2])
+    assert all(c.text.startswith(PROMPT) for c in batch.choices[2:])
+    assert batch.usage is not None and batch.usage.prompt_tokens == len(token_prompt) + 5
+
+    lp = logprobs.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs and lp.text_offset
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+    assert "".join(lp.tokens) == logprobs.choices[0].text
+    assert lp.text_offset == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert chosen is not None and top and 1 <= len(top) <= 2
+        assert chosen == pytest.approx(max(top.values()))  # greedy picks the most likely token
+
+    content = chat_logprobs.choices[0].logprobs
+    assert content is not None and content.content is not None and len(content.content) == 3
+    for token in content.content:
+        assert token.logprob <= 0 and len(token.top_logprobs) == 2
+        assert token.bytes == list(token.token.encode())
+
+
+BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
+    ("/v1/completions", "{not json", 400, None),
+    ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model"),
+    ("/v1/completions", {"prompt": "hello " * 1100}, 400, "prompt"),  # longer than --max-model-len
+    ("/v1/completions", {"prompt": [999_999]}, 400, "prompt"),  # out of vocabulary
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "no_such_field": 1}, 400, "no_such_field"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages[0].content",
+    ),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
+    server: RemoteServer, client: openai.OpenAI
+) -> None:
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for path, body, status, param in BAD_REQUESTS:
+            content = body if isinstance(body, str) else json.dumps(body)
+            response = http.post(path, content=content, headers={"Content-Type": "application/json"})
+            assert response.status_code == status, (path, body, response.text)
+            error = response.json()["error"]
+            assert set(error) == ERROR_FIELDS and error["message"], response.text
+            assert error["param"] == param, (body, error)
+        missing = http.get("/v1/no-such-endpoint")
+        assert missing.status_code == 404 and set(missing.json()["error"]) == ERROR_FIELDS
+        # the harmless forms of unsupported fields are accepted
+        harmless = {"user": "u", "presence_penalty": 0, "tools": [], "logit_bias": {}}
+        ok = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1, **harmless})
+        assert ok.status_code == 200, ok.text
+        assert http.get("/health").status_code == 200
+
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, top_p=2.0)
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=1).choices[0].text is not None
+
+
+def test_tokenize_detokenize_models_version(server: RemoteServer, tokenizer: PreTrainedTokenizerBase) -> None:
+    text = "Hello world, héllo 😀!"
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        tokens = http.post("/tokenize", json={"model": MODEL, "prompt": text}).json()
+        assert tokens["tokens"] == tokenizer.encode(text) and tokens["count"] == len(tokens["tokens"])
+        assert tokens["max_model_len"] == 1024
+        assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": text}
+        chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
+        assert chat["count"] > tokens["count"]
+
+        models = http.get("/v1/models").json()
+        assert [m["id"] for m in models["data"]] == [MODEL] and models["object"] == "list"
+        assert http.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+        assert http.get("/version").json()["version"]
+
+
+def _metric(text: str, name: str) -> float:
+    line = next(line for line in text.splitlines() if line.startswith(f"llmserve:{name}{{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+async def test_50_concurrent_streams_10_disconnect(server: RemoteServer) -> None:
+    """The 40 that stay get all their tokens; the 10 that leave (asking for many tokens) and one
+    non-streaming request that leaves are aborted: nothing runs afterwards and the KV cache is empty."""
+    limits = httpx.Limits(max_connections=100)
+    async with httpx.AsyncClient(base_url=server.url, timeout=300, limits=limits) as http:
+
+        async def stream(i: int, leave: bool) -> list[str]:
+            body = {
+                "model": MODEL,
+                "prompt": f"Story number {i}:",
+                "max_tokens": 1000 if leave else 16,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            events: list[str] = []
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line:
+                        events.append(line)
+                    if leave and len(events) == 2:
+                        break  # closing the response closes the connection mid-stream
+            return events
+
+        async def leave_non_streaming() -> None:
+            body = {"model": MODEL, "prompt": "A long tale:", "max_tokens": 1000, "ignore_eos": True}
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(http.post("/v1/completions", json=body), timeout=3)
+
+        streams = [stream(i, i % 5 == 0) for i in range(50)]
+        results, _ = await asyncio.gather(asyncio.gather(*streams), leave_non_streaming())
+        for i, events in enumerate(results):
+            if i % 5 == 0:
+                continue
+            assert events[-1] == "data: [DONE]", events[-3:]
+            usage = json.loads(events[-2].removeprefix("data: "))["usage"]
+            assert usage["completion_tokens"] == 16
+
+        for _ in range(50):
+            metrics = (await http.get("/metrics")).text
+            if _metric(metrics, "num_requests_running") == 0 and _metric(metrics, "kv_cache_usage_perc") == 0:
+                break
+            await asyncio.sleep(0.2)
+        assert _metric(metrics, "num_requests_running") == 0
+        assert _metric(metrics, "num_requests_waiting") == 0
+        assert _metric(metrics, "kv_cache_usage_perc") == 0
+        for name in (
+            "time_to_first_token_seconds",
+            "inter_token_latency_seconds",
+            "e2e_request_latency_seconds",
+        ):
+            assert _metric(metrics, f"{name}_count") > 0
+        assert _metric(metrics, "generation_tokens_total") >= 40 * 16
+        assert 'llmserve:request_success_total{finished_reason="length"' in metrics
