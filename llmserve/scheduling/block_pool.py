@@ -1,8 +1,10 @@
-"""The fixed pool of KV cache blocks: who holds each block, and which are free."""
+"""The fixed pool of KV cache blocks: who holds each block, which are free, and which free blocks
+still hold a reusable prefix (prefix caching)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -10,8 +12,9 @@ from dataclasses import dataclass
 class KVCacheBlock:
     """One block of `block_size` token slots in every layer's cache.
 
-    `block_hash` is the hook for prefix caching: the chained hash of a full block's tokens, kept while
-    the block is free so it can be reused; None for a block whose contents are not shareable.
+    `block_hash` is set once the block is full and computed: the hash chained over its parent block's
+    hash and its own token ids. It stays while the block is free, so a later request with the same
+    prefix can reuse the block, until the block is evicted for new content.
     """
 
     block_id: int
@@ -20,9 +23,11 @@ class KVCacheBlock:
 
 
 class BlockPool:
-    """Owns every block. Free blocks sit in an ordered map so the least recently freed leaves first.
+    """Owns every block. Free blocks sit in an ordered map, least recently freed first: new blocks are
+    taken (and cached contents evicted) from its front.
 
-    Invariant: a block is in the free map exactly when its `ref_cnt` is 0.
+    Invariants: a block is in the free map exactly when its `ref_cnt` is 0; `cached` maps each hash
+    to the one block holding it.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -31,9 +36,11 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[int, KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no request holds, cached ones included (they are evictable)."""
         return len(self._free)
 
     @property
@@ -47,10 +54,36 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, block = self._free.popitem(last=False)
+            if block.block_hash is not None:  # evict its cached contents
+                del self.cached[block.block_hash]
+                block.block_hash = None
             block.ref_cnt = 1
-            block.block_hash = None
             out.append(block)
         return out
+
+    def get_cached_blocks(self, block_hashes: Iterable[int]) -> list[KVCacheBlock]:
+        """The longest run of cached blocks for these chained hashes, from the first."""
+        hits = []
+        for block_hash in block_hashes:
+            block = self.cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Take a reference to cached blocks, taking free ones out of the free map."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
+        """Record a full, computed block. If another block already holds the same tokens, this one
+        stays uncached (it is freed like any other)."""
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
 
     def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
         """Drop one reference to each; blocks that reach zero go to the back of the free map."""
