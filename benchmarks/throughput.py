@@ -93,16 +93,16 @@ def run_llama_cpp(args: argparse.Namespace, work: Workload) -> float | None:
     start = time.perf_counter()
     for prompt in work.prompts:
         llm.reset()
-        n = 0
-        for _ in llm.generate(prompt, temp=0.0):
-            n += 1
+        for n, _ in enumerate(llm.generate(prompt, temp=0.0), start=1):
             if n == work.output_len:
                 break
     return time.perf_counter() - start
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--min-input", type=int, default=32)
@@ -118,7 +118,8 @@ def main() -> None:
     work = make_workload(args, load_model_config(resolve_model(args.model)).vocab_size)
     print(
         f"workload: {args.num_prompts} prompts, {args.min_input}-{args.max_input} input tokens, "
-        f"{args.output_len} output tokens each, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}"
+        f"{args.output_len} output tokens each, {os.cpu_count()} CPUs, "
+        f"torch threads {torch.get_num_threads()}"
     )
     runners: dict[str, Callable[[argparse.Namespace, Workload], float | None]] = {"llmserve": run_llmserve}
     peers = {"hf": run_hf, "llama-cpp": run_llama_cpp}

@@ -19,7 +19,7 @@ _EXPORTS = {
     "RequestOutput": "llmserve.outputs",
     "CompletionOutput": "llmserve.outputs",
 }
-__all__ = list(_EXPORTS)
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput"]
 
 if TYPE_CHECKING:
     from llmserve.engine.async_llm import AsyncLLM

@@ -41,6 +41,7 @@ class CacheConfig:
     block_size: int = 16
     # Bytes for the KV pool; None sizes it from free memory (see `kv_cache_budget`).
     kv_cache_memory: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -92,6 +93,7 @@ class EngineArgs:
     max_logprobs: int = 20
     block_size: int = 16
     kv_cache_memory: int | None = None
+    enable_prefix_caching: bool = True
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     multiprocess: bool = True  # run the engine core in its own process (False: in this one)

@@ -15,6 +15,7 @@ class Logprob:
 
 
 SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]  # one per prompt token; the first is None
 
 
 @dataclass
@@ -54,7 +55,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, other: RequestOutput, aggregate: bool) -> None:
         """Fold a later output of the same request into this one (when a consumer lags behind).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any
 
 import msgspec
@@ -20,6 +21,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     """Sampling settings. Invalid values raise `ValueError` naming the field.
 
     `temperature == 0` means greedy. `top_k == -1` (or 0) and `top_p == 1` disable those filters.
+    The logits are processed in vLLM's order: `allowed_token_ids` and `bad_words` masks, then
+    `min_tokens` and `logit_bias`, then the penalties, then temperature, `min_p`, top-k and top-p.
     A msgspec struct so that it travels to the engine core without pickle.
     """
 
@@ -34,9 +37,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # OpenAI's: minus this once for every token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # Hugging Face's, over prompt and output: logit / p if > 0 else * p
+    logit_bias: dict[int, float] | None = None  # token id → added to its logit, clamped to [-100, 100]
+    bad_words: list[str] | None = None  # words never generated (their tokens, with and without a space)
+    allowed_token_ids: list[int] | None = None  # when set, only these tokens can be generated
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # top-k logprobs per generated token (-1: the whole vocabulary)
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt position (-1: the whole vocabulary)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -47,6 +57,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         self._validate()
+        self._validate_logits_processing()
+        if self.logit_bias is not None:
+            self.logit_bias = {t: min(max(float(b), -100.0), 100.0) for t, b in self.logit_bias.items()}
 
     def _validate(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -71,10 +84,36 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings.")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             raise ValueError("stop_token_ids must be a list of non-negative integers.")
-        if self.logprobs is not None and self.logprobs < -1:
-            raise ValueError(f"logprobs must be -1 (all), 0 or positive, got {self.logprobs}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < -1):
+                raise ValueError(f"{name} must be -1 (all), 0 or positive, got {value!r}.")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+
+    def _validate_logits_processing(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}.")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}.")
+        if self.logit_bias is not None and not (
+            isinstance(self.logit_bias, dict)
+            and all(_is_int(t) and t >= 0 for t in self.logit_bias)
+            and all(isinstance(b, (int, float)) and not math.isnan(b) for b in self.logit_bias.values())
+        ):
+            raise ValueError("logit_bias must map non-negative token ids to numbers.")
+        if self.bad_words is not None and not (
+            isinstance(self.bad_words, list) and all(isinstance(w, str) and w.strip() for w in self.bad_words)
+        ):
+            raise ValueError("bad_words must be a list of strings that are not empty or only whitespace.")
+        if self.allowed_token_ids is not None and not (
+            isinstance(self.allowed_token_ids, list)
+            and self.allowed_token_ids
+            and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)
+        ):
+            raise ValueError("allowed_token_ids must be a non-empty list of non-negative token ids.")
 
     @property
     def greedy(self) -> bool:
@@ -87,3 +126,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     def clone(self, **changes: Any) -> SamplingParams:
         """A copy with some fields changed (used to fan out n > 1 into child requests)."""
         return msgspec.structs.replace(self, **changes)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -39,7 +39,9 @@ class EngineCore:
             vocab_size=llama_config.vocab_size,
         )
         self.model_runner.initialize_kv_cache(num_blocks, block_size)
-        self.kv_cache_manager = KVCacheManager(num_blocks, block_size)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, block_size, config.cache_config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.limits.max_model_len)
 
     def add_request(self, request: EngineCoreRequest) -> None:

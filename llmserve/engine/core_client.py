@@ -1,4 +1,8 @@
-"""How the front end reaches the engine core. One interface; the transport is the implementation's."""
+"""How the front end reaches the engine core. One interface; the transport is the implementation's.
+
+`InprocClient` (here) runs the core in this process; `SyncMPClient` and `AsyncMPClient` (`mp_client.py`)
+run it in its own. `make_client` picks one from the config.
+"""
 
 from __future__ import annotations
 
@@ -6,26 +10,49 @@ from abc import ABC, abstractmethod
 
 from llmserve.config import EngineConfig, ResolvedLimits
 from llmserve.engine.core import EngineCore
-from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
 
 class EngineCoreClient(ABC):
-    """Contract: `limits` is known once constructed; `get_output()` returns the next step's outputs;
-    `shutdown()` releases the core and everything it holds."""
+    """Contract: `limits` is known once constructed; `get_output()` / `get_output_async()` return the
+    next step's outputs (steps whose outputs are empty may be skipped); `shutdown()` releases the core
+    and everything it holds. A client is either synchronous (the plain methods) or asyncio (the
+    `_async` ones); the other family raises `NotImplementedError`. Once a core in another process has
+    died, every call raises `EngineDeadError`, except aborts, which are then no-ops.
+    """
 
     limits: ResolvedLimits
 
     @abstractmethod
-    def add_request(self, request: EngineCoreRequest) -> None: ...
-
-    @abstractmethod
-    def abort_requests(self, request_ids: list[str]) -> None: ...
-
-    @abstractmethod
-    def get_output(self) -> EngineCoreOutputs: ...
-
-    @abstractmethod
     def shutdown(self) -> None: ...
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        raise self._unsupported("add_request")
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Unknown or finished ids are ignored; the core frees the requests' KV blocks at once."""
+        raise self._unsupported("abort_requests")
+
+    def get_output(self) -> EngineCoreOutputs:
+        raise self._unsupported("get_output")
+
+    def get_scheduler_stats(self) -> SchedulerStats:
+        raise self._unsupported("get_scheduler_stats")
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        raise self._unsupported("add_request_async")
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        raise self._unsupported("abort_requests_async")
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        raise self._unsupported("get_output_async")
+
+    async def get_scheduler_stats_async(self) -> SchedulerStats:
+        raise self._unsupported("get_scheduler_stats_async")
+
+    def _unsupported(self, method: str) -> NotImplementedError:
+        return NotImplementedError(f"{type(self).__name__} has no {method}().")
 
 
 class InprocClient(EngineCoreClient):
@@ -44,5 +71,23 @@ class InprocClient(EngineCoreClient):
     def get_output(self) -> EngineCoreOutputs:
         return self.engine_core.step()
 
+    def get_scheduler_stats(self) -> SchedulerStats:
+        return self.engine_core.scheduler.make_stats()
+
     def shutdown(self) -> None:
         pass
+
+
+def make_client(config: EngineConfig, asyncio_mode: bool) -> EngineCoreClient:
+    """`SyncMPClient` or `AsyncMPClient`; `InprocClient` when `config.multiprocess` is off. The asyncio
+    engine has no in-process form: a step would block its event loop, so that combination is refused."""
+    if not config.multiprocess:
+        if asyncio_mode:
+            raise ValueError(
+                "multiprocess=False is not supported by the asyncio engine: its engine core runs in its "
+                "own process, so that steps never block the event loop."
+            )
+        return InprocClient(config)
+    from llmserve.engine.mp_client import AsyncMPClient, SyncMPClient  # it imports this module
+
+    return AsyncMPClient(config) if asyncio_mode else SyncMPClient(config)

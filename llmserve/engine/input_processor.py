@@ -52,6 +52,7 @@ class InputProcessor:
         self._validate_params(params)
         text, token_ids = self._tokenize(prompt)
         self._validate_tokens(token_ids)
+        bad_words_token_ids = self._bad_words_token_ids(params.bad_words) if params.bad_words else None
         if self.extra_eos_ids and not params.ignore_eos:
             params = params.clone(stop_token_ids=[*(params.stop_token_ids or []), *self.extra_eos_ids])
         request = EngineCoreRequest(
@@ -60,6 +61,7 @@ class InputProcessor:
             sampling_params=params,
             eos_token_id=self.eos_token_id,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            bad_words_token_ids=bad_words_token_ids,
         )
         return request, text
 
@@ -103,14 +105,36 @@ class InputProcessor:
         )
 
     def _validate_params(self, params: SamplingParams) -> None:
-        if params.logprobs is None or self.max_logprobs == -1:
-            return
-        wanted = self.limits.vocab_size if params.logprobs == -1 else params.logprobs
-        if wanted > self.max_logprobs:
-            raise ValueError(
-                f"logprobs={params.logprobs} asks for {wanted} logprobs per token; "
-                f"the maximum is {self.max_logprobs} (max_logprobs)."
-            )
+        """What SamplingParams cannot check alone: the logprobs bound and the vocabulary."""
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            wanted = self.limits.vocab_size if k == -1 else k
+            if k is not None and self.max_logprobs != -1 and wanted > self.max_logprobs:
+                raise ValueError(
+                    f"{name}={k} asks for {wanted} logprobs per token; "
+                    f"the maximum is {self.max_logprobs} (max_logprobs)."
+                )
+        vocab = self.limits.vocab_size
+        for name, ids in (
+            ("logit_bias", params.logit_bias or {}),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+            ("stop_token_ids", params.stop_token_ids or []),
+        ):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name} has token id {bad}, out of vocabulary (size {vocab}).")
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Each word's tokens as it would start the text, and as a word after a space when that
+        tokenizes differently into as many tokens (vLLM's rule)."""
+        out: list[list[int]] = []
+        for word in bad_words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out.append(bare)
+            if spaced[0] != bare[0] and len(spaced) == len(bare):
+                out.append(spaced)
+        return out
 
     def _validate_tokens(self, token_ids: list[int]) -> None:
         if not token_ids:

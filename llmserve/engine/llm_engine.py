@@ -5,9 +5,11 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizerBase
 
 from llmserve.config import EngineArgs, EngineConfig
-from llmserve.engine.core_client import EngineCoreClient, InprocClient
+from llmserve.engine.core_client import EngineCoreClient, make_client
 from llmserve.engine.input_processor import InputProcessor, PromptType
+from llmserve.engine.messages import EngineCoreRequest
 from llmserve.engine.output_processor import OutputProcessor
+from llmserve.engine.parallel_sampling import ParentRequest, fan_out
 from llmserve.model_executor.loader import load_tokenizer, resolve_model
 from llmserve.model_executor.loader.tokenizer import eos_token_ids
 from llmserve.outputs import RequestOutput
@@ -19,7 +21,7 @@ class LLMEngine:
         self.config = config
         source = resolve_model(config.model_config.model)
         self.tokenizer = load_tokenizer(source, config.model_config.chat_template)
-        self.engine_core: EngineCoreClient = InprocClient(config)
+        self.engine_core: EngineCoreClient = make_client(config, asyncio_mode=False)
         self.limits = self.engine_core.limits
         self.input_processor = InputProcessor(
             self.tokenizer,
@@ -44,18 +46,25 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Validates before anything is registered, so a bad request leaves no trace."""
-        request, prompt_text = self.input_processor.process_inputs(request_id, prompt, params, arrival_time)
-        self.output_processor.add_request(request, prompt_text)
-        self.engine_core.add_request(request)
+        self.submit(*fan_out(self.input_processor, request_id, prompt, params, arrival_time))
+
+    def submit(
+        self, prompt_text: str | None, parent: ParentRequest | None, requests: list[EngineCoreRequest]
+    ) -> None:
+        """Register already validated core requests (from `fan_out`) and send them to the core."""
+        for index, request in enumerate(requests):
+            self.output_processor.add_request(request, prompt_text, parent, index)
+            self.engine_core.add_request(request)
 
     def abort_request(self, request_ids: list[str]) -> None:
-        self.output_processor.abort_requests(request_ids)
-        self.engine_core.abort_requests(request_ids)
+        self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
+        if not self.has_unfinished_requests():
+            return []  # a core in another process would have no outputs to send: do not wait for one
         outputs = self.engine_core.get_output()
         processed = self.output_processor.process_outputs(outputs.outputs)
         if processed.reqs_to_abort:

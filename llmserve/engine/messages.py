@@ -23,13 +23,18 @@ class FinishReason(enum.IntEnum):
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
-    """A validated, tokenized request. `eos_token_id` is None when the model has none."""
+    """A validated, tokenized request. `eos_token_id` is None when the model has none.
+
+    `bad_words_token_ids` holds the token sequences of `sampling_params.bad_words`, tokenized by the
+    front end (the core has no tokenizer).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None
     arrival_time: float
+    bad_words_token_ids: list[list[int]] | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -47,6 +52,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """What one step produced for one request. `stop_reason` is the stop token id, if any.
 
     `new_logprobs` has one entry per new token when the request asked for logprobs.
+    `new_prompt_logprobs` comes once, with the first output of a request that asked for prompt
+    logprobs: one entry per prompt token after the first, the prompt token in place of the sampled one.
     """
 
     request_id: str
@@ -54,6 +61,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     new_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -67,9 +75,60 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
+    num_requests: int = 0  # every request the core holds: running, waiting or preempted
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries: int = 0  # cumulative: prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # cumulative: of which found cached
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+
+
+# The wire between the front end and the engine core process. Every ZMQ message has two frames: a
+# one-byte type and a msgpack payload. Only these types cross; nothing is pickled.
+
+
+class EngineCoreRequestType(enum.Enum):
+    """Front end → core. The payload type is named on each member."""
+
+    ADD = b"\x00"  # EngineCoreRequest
+    ABORT = b"\x01"  # list[str]: request ids
+    UTILITY = b"\x02"  # UtilityCall
+    SHUTDOWN = b"\x03"  # nothing (an empty payload)
+
+
+class EngineCoreEventType(enum.Enum):
+    """Core → front end. READY or STARTUP_FAILED comes first and once; ERROR comes last."""
+
+    READY = b"\x00"  # ResolvedLimits
+    STARTUP_FAILED = b"\x01"  # EngineCoreFailure; the process then exits
+    OUTPUTS = b"\x02"  # EngineCoreOutputs
+    UTILITY_RESULT = b"\x03"  # UtilityResult
+    ERROR = b"\x04"  # EngineCoreFailure from the busy loop; the process then exits
+
+
+class UtilityCall(msgspec.Struct, array_like=True):
+    """Run `method` (a name the core publishes, such as "get_scheduler_stats") between two steps."""
+
+    call_id: int
+    method: str
+
+
+class UtilityResult(msgspec.Struct, array_like=True):
+    """The answer to the `UtilityCall` of the same id; `result` is msgpack the caller decodes."""
+
+    call_id: int
+    result: msgspec.Raw
+
+
+class EngineCoreFailure(msgspec.Struct, array_like=True):
+    """Why the core could not start, or why its busy loop stopped. `is_value_error` marks a bad
+    configuration (the front end raises `ValueError` with `message`)."""
+
+    error_type: str
+    message: str
+    is_value_error: bool = False

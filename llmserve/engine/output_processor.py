@@ -12,7 +12,14 @@ from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs
 from llmserve.engine.parallel_sampling import ParentRequest
 from llmserve.metrics.stats import FinishedRequestStats, IterationStats
-from llmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
+from llmserve.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
 from llmserve.sampling_params import RequestOutputKind
 
 
@@ -51,6 +58,8 @@ class RequestState:
         self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self.token_ids: list[int] = []
         self.logprobs: SampleLogprobs | None = None if params.logprobs is None else []
+        self.prompt_logprobs: PromptLogprobs | None = None if params.prompt_logprobs is None else [None]
+        self.prompt_logprobs_sent = False
         self.cumulative_logprob = 0.0
         self.text = ""
         self.sent_tokens = 0
@@ -76,7 +85,11 @@ class RequestState:
         stats.num_generation_tokens += len(output.new_token_ids)
         self.token_ids.extend(output.new_token_ids)
         if self.logprobs is not None and output.new_logprobs:
-            self._add_logprobs(self.logprobs, output.new_logprobs)
+            for entry in output.new_logprobs:
+                self.cumulative_logprob += entry.logprobs[0]
+            self.logprobs.extend(self._logprob_dicts(output.new_logprobs))
+        if self.prompt_logprobs is not None and output.new_prompt_logprobs:
+            self.prompt_logprobs.extend(self._logprob_dicts(output.new_prompt_logprobs))
         previous_len = len(self.text)
         self.text += self.detokenizer.decode(output.new_token_ids)
         self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
@@ -93,15 +106,17 @@ class RequestState:
             )
         return stopped
 
-    def _add_logprobs(self, logprobs: SampleLogprobs, entries: list[TokenLogprobs]) -> None:
-        for entry in entries:
-            self.cumulative_logprob += entry.logprobs[0]
-            logprobs.append(
-                {
-                    token: Logprob(lp, rank, str(self.tokenizer.decode([token])))
-                    for token, lp, rank in zip(entry.token_ids, entry.logprobs, entry.ranks)
-                }
-            )
+    def _logprob_dicts(self, entries: list[TokenLogprobs]) -> list[dict[int, Logprob]]:
+        """One {token: Logprob} per position, every token's text decoded in one call."""
+        unique = list(dict.fromkeys(t for e in entries for t in e.token_ids))
+        texts = dict(zip(unique, self.tokenizer.batch_decode([[t] for t in unique])))
+        return [
+            {
+                token: Logprob(lp, rank, texts[token])
+                for token, lp, rank in zip(e.token_ids, e.logprobs, e.ranks)
+            }
+            for e in entries
+        ]
 
     def _check_stop_strings(self, previous_len: int) -> bool:
         best: tuple[int, str] | None = None
@@ -148,6 +163,10 @@ class RequestState:
         completion = self.make_completion()
         if completion is None:
             return None
+        prompt_logprobs = self.prompt_logprobs
+        if self.output_kind == RequestOutputKind.DELTA:  # given once, with the first output
+            prompt_logprobs = None if self.prompt_logprobs_sent else prompt_logprobs
+            self.prompt_logprobs_sent = True
         completions: list[CompletionOutput] | None = [completion]
         finished = completion.finished()
         if self.parent is not None:
@@ -162,6 +181,7 @@ class RequestState:
             outputs=completions,
             finished=finished,
             metrics=self.metrics,
+            prompt_logprobs=prompt_logprobs,
         )
 
 

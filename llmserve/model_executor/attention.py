@@ -3,6 +3,10 @@
 The flattened batch holds the decode tokens first (one per sequence), then each prefill chunk. Decodes
 are attended in one batched call over gathered blocks; prefill chunks one sequence at a time (there are
 few, and each is a large matrix product already).
+
+The cache is head-major, `[kv_heads, num_blocks, block_size, head_dim]`, so that gathering a batch's
+blocks yields `[kv_heads, batch, tokens, head_dim]` directly: one copy, and the matrix products read
+it as it lies.
 """
 
 from __future__ import annotations
@@ -38,16 +42,16 @@ def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
     """Store this step's keys and values ([num_tokens, kv_heads, head_dim]) in their cache slots."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    num_kv_heads, _, _, head_dim = k_cache.shape
+    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1))
+    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
 
 
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, heads, head_dim]
     k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
     v: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim]
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
@@ -60,65 +64,60 @@ def paged_attention(
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
         if chunk.context_len == 0:
-            out[rows] = _attend(q[rows], k[rows], v[rows], None, scale, causal=True)
+            out[rows] = _prefill(q[rows], k[rows].transpose(0, 1), v[rows].transpose(0, 1), None, scale)
         else:
             out[rows] = _prefill_with_context(q[rows], k_cache, v_cache, chunk, scale)
     return out
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """[..., num_blocks] block ids → [..., length, kv_heads, head_dim] cached tokens."""
-    blocks = cache[block_table]  # [..., num_blocks, block_size, kv_heads, head_dim]
-    flat = blocks.flatten(-4, -3)
-    return flat[..., :length, :, :]
+    """Block ids [..., num_blocks] → the cached tokens [kv_heads, ..., length, head_dim]."""
+    blocks = cache[:, block_table]  # [kv_heads, ..., num_blocks, block_size, head_dim]
+    return blocks.flatten(-3, -2)[..., :length, :]
 
 
 def _decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
+    """q [batch, heads, head_dim] → [batch, heads, head_dim], one query per sequence."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[0]
     length = meta.decode_max_len
-    keys = _gather(k_cache, meta.decode_block_tables, length)  # [B, L, kv_heads, head_dim]
+    keys = _gather(k_cache, meta.decode_block_tables, length)  # [kv_heads, batch, L, head_dim]
     values = _gather(v_cache, meta.decode_block_tables, length)
+    # The query heads that share a KV head become rows of one matrix product per (kv head, sequence).
+    grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scale)  # [kv_heads, batch, group, L]
     positions = torch.arange(length, device=q.device)
-    mask = positions[None, :] < meta.decode_seq_lens[:, None]  # [B, L]
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # [B, heads, 1, head_dim]
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=mask[:, None, None, :],
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.squeeze(2)
+    padding = positions[None, :] >= meta.decode_seq_lens[:, None]  # [batch, L]
+    scores.masked_fill_(padding[None, :, None, :], float("-inf"))
+    out = torch.matmul(scores.softmax(dim=-1), values)  # [kv_heads, batch, group, head_dim]
+    return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
 
 
 def _prefill_with_context(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PrefillChunk, scale: float
 ) -> torch.Tensor:
     total = chunk.context_len + chunk.query_len
-    keys = _gather(k_cache, chunk.block_table, total)  # [total, kv_heads, head_dim]
+    keys = _gather(k_cache, chunk.block_table, total)  # [kv_heads, total, head_dim]
     values = _gather(v_cache, chunk.block_table, total)
     query_pos = torch.arange(chunk.context_len, total, device=q.device)
     key_pos = torch.arange(total, device=q.device)
     mask = key_pos[None, :] <= query_pos[:, None]  # [query_len, total]
-    return _attend(q, keys, values, mask, scale, causal=False)
+    return _prefill(q, keys, values, mask, scale)
 
 
-def _attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    causal: bool,
+def _prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
-    """One sequence: q [q_len, heads, d], k/v [kv_len, kv_heads, d] → [q_len, heads, d]."""
+    """One sequence: q [q_len, heads, d], k/v [kv_heads, kv_len, d] → [q_len, heads, d]; causal when
+    `mask` is None (queries and keys then cover the same positions)."""
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
+        k,
+        v,
         attn_mask=mask,
-        is_causal=causal,
+        is_causal=mask is None,
         scale=scale,
         enable_gqa=True,
     )

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from llmserve.config import ModelConfig
+from llmserve.engine.messages import TokenLogprobs
 from llmserve.model_executor.attention import AttentionMetadata, PrefillChunk
 from llmserve.model_executor.device import resolve_device, resolve_dtype
 from llmserve.model_executor.loader import ModelSource, iter_weights
+from llmserve.model_executor.logits_processors import apply_logits_processors, build_logits_metadata
 from llmserve.model_executor.models.llama import KVCache, LlamaForCausalLM
 from llmserve.model_executor.models.llama_config import LlamaConfig
 from llmserve.model_executor.sampler import SamplingMetadata, gather_logprobs, sample
 from llmserve.scheduling.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+_PROMPT_LOGITS_ROWS = 1024  # prompt positions scored per logits matrix, which bounds its memory
 
 
 class ModelRunner:
@@ -39,7 +45,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         c = self.config
-        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        shape = (c.num_key_value_heads, num_blocks, block_size, c.head_dim)  # head-major: see attention.py
         self.block_size = block_size
         self.kv_caches = [
             (
@@ -59,13 +65,24 @@ class ModelRunner:
         batch = sorted(scheduler_output.scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta, sample_rows, last_tokens = self._prepare_inputs(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        sampling = [batch[i] for i in sample_rows]
-        if not sampling:
-            return ModelRunnerOutput({})
-        logits = self.model.compute_logits(hidden[torch.tensor(last_tokens, device=self.device)])
-        sampled = sample(logits, self._sampling_metadata(sampling))
+        output = ModelRunnerOutput({})
+        if any(s.request.sampling_params.prompt_logprobs is not None for s in batch):
+            output.prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        if sample_rows:
+            last_hidden = hidden[torch.tensor(last_tokens, device=self.device)]
+            self._sample([batch[i] for i in sample_rows], last_hidden, output)
+        return output
+
+    def _sample(
+        self, sampling: list[ScheduledRequest], hidden: torch.Tensor, output: ModelRunnerOutput
+    ) -> None:
+        """Sample one token per row from the processed logits; logprobs come from the raw ones."""
+        logits = self.model.compute_logits(hidden)  # [rows, vocab] fp32
+        processing = build_logits_metadata([s.request for s in sampling], logits.shape[-1], self.device)
+        processed = logits if processing is None else apply_logits_processors(logits, processing)
+        sampled = sample(processed, self._sampling_metadata(sampling))
         ids = [s.request.request_id for s in sampling]
-        output = ModelRunnerOutput(dict(zip(ids, sampled.tolist())))
+        output.sampled_token_ids = dict(zip(ids, sampled.tolist()))
         wanted = [
             (row, k)
             for row, s in enumerate(sampling)
@@ -76,7 +93,40 @@ class ModelRunner:
             ks = [self.config.vocab_size if k == -1 else k for _, k in wanted]
             entries = gather_logprobs(logits[rows], sampled[rows], ks)
             output.logprobs = {ids[row]: entry for (row, _), entry in zip(wanted, entries)}
-        return output
+
+    def _prompt_logprobs(
+        self, batch: list[ScheduledRequest], hidden: torch.Tensor
+    ) -> dict[str, list[TokenLogprobs]]:
+        """Score the prompt positions this step computed for the first time, for the requests that
+        asked. Hidden state i scores prompt token i + 1, which may lie in a later chunk."""
+        indices: list[torch.Tensor] = []
+        targets: list[int] = []
+        ks: list[int] = []
+        owners: list[tuple[str, int]] = []
+        query_start = 0
+        for sched in batch:
+            request = sched.request
+            k = request.sampling_params.prompt_logprobs
+            start = request.num_computed_tokens
+            first = max(start, request.num_prompt_logprobs)  # skip what a preempted run already scored
+            end = min(start + sched.num_new_tokens, request.num_prompt_tokens - 1)
+            if k is not None and first < end:
+                indices.append(torch.arange(query_start + first - start, query_start + end - start))
+                targets.extend(request.prompt_token_ids[first + 1 : end + 1])
+                ks.extend([self.config.vocab_size if k == -1 else k] * (end - first))
+                owners.append((request.request_id, end - first))
+            query_start += sched.num_new_tokens
+        if not owners:
+            return {}
+        flat = torch.cat(indices).to(self.device)
+        target = torch.tensor(targets, dtype=torch.int64, device=self.device)
+        entries: list[TokenLogprobs] = []
+        for i in range(0, len(targets), _PROMPT_LOGITS_ROWS):
+            rows = slice(i, i + _PROMPT_LOGITS_ROWS)
+            logits = self.model.compute_logits(hidden[flat[rows]])
+            entries.extend(gather_logprobs(logits, target[rows], ks[rows]))
+        bounds = itertools.accumulate(count for _, count in owners)
+        return {request_id: entries[stop - count : stop] for (request_id, count), stop in zip(owners, bounds)}
 
     def _prepare_inputs(
         self, batch: list[ScheduledRequest]

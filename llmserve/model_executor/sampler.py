@@ -22,7 +22,10 @@ class SamplingMetadata:
 
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """logits [batch, vocab] fp32 → token ids [batch] int64."""
+    """logits [batch, vocab] fp32, after `apply_logits_processors` → token ids [batch] int64.
+
+    Temperature, then min-p, then top-k and top-p; greedy rows take the argmax of the given logits.
+    """
     greedy = logits.argmax(dim=-1)
     if meta.all_greedy:
         return greedy
@@ -73,24 +76,23 @@ def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator
 
 
 def gather_logprobs(
-    logits: torch.Tensor, sampled: torch.Tensor, num_logprobs: list[int]
+    logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int]
 ) -> list[TokenLogprobs]:
-    """For rows that asked: the sampled token's raw logprob and rank, then the top-k (k per row).
-
-    Computed from the unprocessed logits, as vLLM documents, and only for these rows.
+    """Per row: the raw logprob and rank of `token_ids[row]` (the sampled or the prompt token), then
+    the top-k (k per row). Computed from unprocessed logits, as vLLM documents, and only for these rows.
     """
     logprobs = logits.float().log_softmax(dim=-1)  # [rows, vocab]
-    chosen = logprobs.gather(1, sampled.unsqueeze(1))  # [rows, 1]
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [rows, 1]
     ranks = (logprobs > chosen).sum(dim=-1) + 1
-    k_max = max(num_logprobs)
-    top_values, top_ids = logprobs.topk(k_max, dim=-1) if k_max else (chosen[:, :0], sampled[:, None][:, :0])
-    out = []
-    for row, k in enumerate(num_logprobs):
-        out.append(
-            TokenLogprobs(
-                token_ids=[int(sampled[row])] + top_ids[row, :k].tolist(),
-                logprobs=[float(chosen[row, 0])] + top_values[row, :k].tolist(),
-                ranks=[int(ranks[row])] + list(range(1, k + 1)),
-            )
+    top_values, top_ids = logprobs.topk(max(num_logprobs), dim=-1)
+    # One transfer per tensor; the per-row lists are then cut from Python lists.
+    ids, chosen_values, chosen_ranks = token_ids.tolist(), chosen.squeeze(1).tolist(), ranks.tolist()
+    top_value_rows, top_id_rows = top_values.tolist(), top_ids.tolist()
+    return [
+        TokenLogprobs(
+            token_ids=[ids[row], *top_id_rows[row][:k]],
+            logprobs=[chosen_values[row], *top_value_rows[row][:k]],
+            ranks=[chosen_ranks[row], *range(1, k + 1)],
         )
-    return out
+        for row, k in enumerate(num_logprobs)
+    ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from llmserve.engine.messages import EngineCoreRequest, FinishReason
+from llmserve.engine.messages import EngineCoreRequest, FinishReason, TokenLogprobs
 from llmserve.sampling_params import SamplingParams
 
 
@@ -33,7 +33,12 @@ _FINISH_REASONS = {
 
 
 class Request:
-    """Invariant: `num_computed_tokens <= num_tokens`; tokens past it still need a forward pass."""
+    """Invariant: `num_computed_tokens <= num_tokens`; tokens past it still need a forward pass.
+
+    With prompt logprobs, `num_prompt_logprobs` counts the prompt positions already scored (hidden
+    state i scores prompt token i + 1), so a recompute after preemption does not score them again;
+    `prompt_logprobs` holds those not yet sent, until the first output carries them.
+    """
 
     def __init__(
         self,
@@ -43,6 +48,7 @@ class Request:
         eos_token_id: int | None,
         arrival_time: float,
         max_model_len: int,
+        bad_words_token_ids: list[list[int]] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -59,6 +65,9 @@ class Request:
         requested = sampling_params.max_tokens
         self.max_tokens = room if requested is None else min(requested, room)
         self._stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+        self.bad_words_token_ids = bad_words_token_ids
+        self.num_prompt_logprobs = 0
+        self.prompt_logprobs: list[TokenLogprobs] = []
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> Request:
@@ -69,6 +78,7 @@ class Request:
             req.eos_token_id,
             req.arrival_time,
             max_model_len,
+            req.bad_words_token_ids,
         )
 
     @property
@@ -82,6 +92,17 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens :]
+
+    def add_prompt_logprobs(self, entries: list[TokenLogprobs]) -> None:
+        self.prompt_logprobs.extend(entries)
+        self.num_prompt_logprobs += len(entries)
+
+    def take_prompt_logprobs(self) -> list[TokenLogprobs] | None:
+        """The prompt logprobs not yet sent (None if there are none), now counted as sent."""
+        if not self.prompt_logprobs:
+            return None
+        entries, self.prompt_logprobs = self.prompt_logprobs, []
+        return entries
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

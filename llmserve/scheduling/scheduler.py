@@ -37,10 +37,12 @@ class SchedulerOutput:
 @dataclass
 class ModelRunnerOutput:
     """The token sampled for each request whose scheduled tokens reached its end, and its logprobs
-    for the requests that asked."""
+    for the requests that asked; for those that asked for prompt logprobs, the prompt positions this
+    step scored for the first time."""
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -95,10 +97,13 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv_cache_manager.allocate_slots(request, num_new):
+            request = self.waiting[0]  # new or preempted: nothing computed
+            computed = self.kv_cache_manager.get_computed_blocks(request)
+            num_cached = len(computed) * self.kv_cache_manager.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv_cache_manager.allocate_slots(request, num_new, computed):
                 break
+            request.num_computed_tokens = num_cached
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -135,6 +140,10 @@ class Scheduler:
             if request.status.finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens += sched.num_new_tokens
+            self.kv_cache_manager.cache_full_blocks(request)
+            prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
+            if prompt_logprobs:
+                request.add_prompt_logprobs(prompt_logprobs)
             token = runner_output.sampled_token_ids.get(request.request_id)
             if token is None:
                 continue
@@ -149,6 +158,7 @@ class Scheduler:
                     request.status.finish_reason,
                     request.stop_reason,
                     None if logprobs is None else [logprobs],
+                    request.take_prompt_logprobs(),
                 )
             )
         return outputs
@@ -182,4 +192,9 @@ class Scheduler:
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
             num_preemptions=self.num_preemptions,
+            num_requests=len(self.requests),
+            num_free_blocks=self.kv_cache_manager.num_free_blocks,
+            num_total_blocks=self.kv_cache_manager.block_pool.num_blocks,
+            prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
         )

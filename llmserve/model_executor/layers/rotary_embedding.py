@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+RopeAngles = tuple[torch.Tensor, torch.Tensor]  # cos, sin: each [num_tokens, 1, head_dim // 2]
+
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -54,16 +56,14 @@ class RotaryEmbedding(nn.Module):
         self.cos = freqs.cos()
         self.sin = freqs.sin()
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [num_tokens, heads, head_dim], k [num_tokens, kv_heads, head_dim] → rotated q, k."""
-        cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim // 2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor) -> RopeAngles:
+        """The cos/sin rows for these positions, looked up once per step and shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, angles: RopeAngles) -> torch.Tensor:
+    """Rotate q [num_tokens, heads, head_dim] or k by their positions' angles (rotate-half layout)."""
+    cos, sin = angles
     x32 = x.float()
     x1, x2 = x32.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

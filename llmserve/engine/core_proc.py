@@ -1,0 +1,195 @@
+"""`EngineCoreProc`: the engine core in its own process, fed and drained over ZMQ.
+
+The front end (`mp_client.py`) binds two IPC sockets in a private folder and spawns this process, which
+connects to them: input (front end PUSH → core PULL) and output (core PUSH → front end PULL). Every
+message is a type frame and a msgpack frame (see `messages.py`); only the config, in the spawn
+arguments, is pickled.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import setproctitle
+import zmq
+
+from llmserve.config import EngineConfig
+from llmserve.engine.core import EngineCore
+from llmserve.engine.messages import (
+    EngineCoreEventType,
+    EngineCoreFailure,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    UtilityCall,
+    UtilityResult,
+)
+
+PROCESS_TITLE = "llmserve::EngineCore"
+PARENT_POLL_S = 0.5  # how often the core checks that the process that started it is still there
+LINGER_MS = 1000  # how long closing waits for unsent outputs, so the last error reaches the front end
+
+# A decoded message, or the exception that stopped the input thread (the busy loop re-raises it).
+InputItem = tuple[EngineCoreRequestType, Any] | BaseException
+OutputItem = tuple[EngineCoreEventType, Any]
+
+
+def make_socket(
+    ctx: zmq.Context[zmq.Socket[bytes]], kind: int, address: str, bind: bool
+) -> zmq.Socket[bytes]:
+    """No high-water mark: a full queue would block (PUSH) or drop messages, and both sides drain theirs."""
+    socket = ctx.socket(kind)
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.RCVHWM, 0)
+    if bind:
+        socket.bind(address)
+    else:
+        socket.connect(address)
+    return socket
+
+
+def ipc_addresses(ipc_dir: str) -> tuple[str, str]:
+    """The input and the output socket of the core whose front end made `ipc_dir`."""
+    return f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output"
+
+
+def run_engine_core(config: EngineConfig, ipc_dir: str, parent_pid: int) -> None:
+    """Entry point of the spawned process: exits 0 after a shutdown request, 1 after a failure."""
+    setproctitle.setproctitle(PROCESS_TITLE)
+    # Ctrl-C reaches the whole process group; the front end owns it and shuts this process down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(parent_pid, ipc_dir), daemon=True).start()
+    exit_code = EngineCoreProc(config, *ipc_addresses(ipc_dir)).run()
+    # Skip the interpreter's teardown (over a second with torch loaded): nothing is left to clean up.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+def _exit_with_parent(parent_pid: int, ipc_dir: str) -> None:
+    """Polls rather than using PR_SET_PDEATHSIG, which fires when the parent *thread* that started this
+    process ends (say, an executor thread), not when the parent process does. A parent that died
+    cannot remove its IPC folder, so this process does."""
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    shutil.rmtree(ipc_dir, ignore_errors=True)
+    os._exit(1)
+
+
+class EngineCoreProc:
+    """Runs an `EngineCore` between two queues. The input thread decodes messages into one, the output
+    thread encodes outputs from the other, so the busy loop (the main thread) spends its time in
+    `step()` and never waits on a socket.
+    """
+
+    def __init__(self, config: EngineConfig, input_address: str, output_address: str) -> None:
+        self.config = config
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        # Both connected before the model loads, so the front end can send as soon as it sees READY.
+        self.input_socket = make_socket(self.ctx, zmq.PULL, input_address, bind=False)
+        self.output_socket = make_socket(self.ctx, zmq.PUSH, output_address, bind=False)
+        self.input_queue: queue.Queue[InputItem] = queue.Queue()
+        self.output_queue: queue.Queue[OutputItem | None] = queue.Queue()
+        self.input_thread = threading.Thread(target=self._receive_inputs, name="CoreInput", daemon=True)
+        self.output_thread = threading.Thread(target=self._send_outputs, name="CoreOutput", daemon=True)
+
+    def run(self) -> int:
+        """Start the core, report READY (or why not), serve until told to stop; returns the exit code."""
+        self.output_thread.start()
+        try:
+            engine_core = EngineCore(self.config)
+        except Exception as e:
+            self._report(EngineCoreEventType.STARTUP_FAILED, e)
+            self.input_socket.close()  # its thread never started
+            return self._close(1)
+        self.output_queue.put((EngineCoreEventType.READY, engine_core.limits))
+        self.input_thread.start()
+        try:
+            self._busy_loop(engine_core)
+        except Exception as e:
+            self._report(EngineCoreEventType.ERROR, e)
+            return self._close(1)
+        return self._close(0)
+
+    def _busy_loop(self, core: EngineCore) -> None:
+        """Block on the input queue only when idle; otherwise take what arrived, then run one step."""
+        while True:
+            if not core.has_unfinished_requests() and not self._handle(core, self.input_queue.get()):
+                return
+            while not self.input_queue.empty():
+                if not self._handle(core, self.input_queue.get_nowait()):
+                    return
+            if core.has_unfinished_requests():
+                outputs = core.step()
+                if outputs.outputs:
+                    self.output_queue.put((EngineCoreEventType.OUTPUTS, outputs))
+
+    def _handle(self, core: EngineCore, item: InputItem) -> bool:
+        """Apply one message; False means shut down."""
+        if isinstance(item, BaseException):
+            raise item
+        kind, payload = item
+        if kind is EngineCoreRequestType.ADD:
+            core.add_request(payload)
+        elif kind is EngineCoreRequestType.ABORT:
+            core.abort_requests(payload)  # frees their KV blocks now
+        elif kind is EngineCoreRequestType.UTILITY:
+            self._call_utility(core, payload)
+        else:
+            return False
+        return True
+
+    def _call_utility(self, core: EngineCore, call: UtilityCall) -> None:
+        if call.method != "get_scheduler_stats":
+            raise ValueError(f"Unknown utility method {call.method!r}.")
+        result = msgspec.Raw(msgspec.msgpack.encode(core.scheduler.make_stats()))
+        self.output_queue.put((EngineCoreEventType.UTILITY_RESULT, UtilityResult(call.call_id, result)))
+
+    def _report(self, event: EngineCoreEventType, error: Exception) -> None:
+        if event is EngineCoreEventType.ERROR or not isinstance(error, ValueError):
+            traceback.print_exc()  # a bad config needs only its message; anything else, the whole story
+        failure = EngineCoreFailure(type(error).__name__, str(error), isinstance(error, ValueError))
+        self.output_queue.put((event, failure))
+
+    def _receive_inputs(self) -> None:
+        decoders: dict[EngineCoreRequestType, msgspec.msgpack.Decoder[Any]] = {
+            EngineCoreRequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
+            EngineCoreRequestType.ABORT: msgspec.msgpack.Decoder(list[str]),
+            EngineCoreRequestType.UTILITY: msgspec.msgpack.Decoder(UtilityCall),
+        }
+        try:
+            while True:
+                kind_frame, payload = self.input_socket.recv_multipart()
+                kind = EngineCoreRequestType(kind_frame)
+                if kind is EngineCoreRequestType.SHUTDOWN:
+                    self.input_queue.put((kind, None))
+                    return
+                self.input_queue.put((kind, decoders[kind].decode(payload)))
+        except zmq.ContextTerminated:
+            pass  # the busy loop failed and `_close` is ending the process
+        except Exception as e:
+            self.input_queue.put(e)
+        finally:
+            self.input_socket.close()
+
+    def _send_outputs(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        while (item := self.output_queue.get()) is not None:
+            event, payload = item
+            self.output_socket.send_multipart((event.value, encoder.encode(payload)))
+        self.output_socket.close(linger=LINGER_MS)
+
+    def _close(self, exit_code: int) -> int:
+        """Flush the outputs (the last may be the error the front end waits for), then end the threads."""
+        self.output_queue.put(None)
+        self.output_thread.join()
+        self.ctx.term()  # a blocked receive in the input thread fails with ETERM; it closes its socket
+        return exit_code
