@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from tests.entrypoints.conftest import MODEL
@@ -137,7 +139,14 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "no_such_field": 1}, 400, "no_such_field"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),  # one over max_logprobs
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"one": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"999999": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("/v1/chat/completions", {}, 400, "messages"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
@@ -148,7 +157,15 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
         "messages[0].content",
     ),
     ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "functions": [{"name": "f"}]}, 400, "functions"),
+    (
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+    ),
+    ("/v1/chat/completions", {"messages": MESSAGES, "frequency_penalty": -2.5}, 400, "frequency_penalty"),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
 ]
@@ -168,7 +185,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
         missing = http.get("/v1/no-such-endpoint")
         assert missing.status_code == 404 and set(missing.json()["error"]) == ERROR_FIELDS
         # the harmless forms of unsupported fields are accepted
-        harmless = {"user": "u", "presence_penalty": 0, "tools": [], "logit_bias": {}}
+        harmless = {"user": "u", "tools": [], "tool_choice": "auto", "response_format": {"type": "text"}}
         ok = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1, **harmless})
         assert ok.status_code == 200, ok.text
         assert http.get("/health").status_code == 200
@@ -178,6 +195,88 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
     with pytest.raises(openai.BadRequestError, match="top_p"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=1, top_p=2.0)
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=1).choices[0].text is not None
+
+
+def test_echo_logprobs_score_a_continuation_as_transformers_does(
+    client: openai.OpenAI, tokenizer: PreTrainedTokenizerBase, default_model_path: Path
+) -> None:
+    """lm-evaluation-harness's log-likelihood request: token ids, `echo`, `max_tokens=1`, `logprobs=1`;
+    the continuation's summed logprob is read from the echoed prompt's `token_logprobs`."""
+    context = tokenizer.encode("The capital of France is")
+    ids = context + tokenizer.encode(" Paris, and the capital of Italy is Rome.")
+    out = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0.0
+    )
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs and lp.text_offset
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    assert out.choices[0].text.startswith(tokenizer.decode(ids)) and "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset[1:] == [sum(len(t) for t in lp.tokens[:i]) for i in range(1, len(lp.tokens))]
+    assert all(top is not None and 1 <= len(top) <= 1 for top in lp.top_logprobs[1:])
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0.0, stream=True
+        )
+    )
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens or []] == lp.tokens
+    assert [x for s in streamed for x in s.text_offset or []] == lp.text_offset
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        reference = hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)  # [len, vocab]
+    expected = [reference[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    got = [x for x in lp.token_logprobs[1 : len(ids)] if x is not None]
+    assert got == pytest.approx(expected, abs=1e-3)
+    continuation = range(len(context), len(ids))
+    assert sum(got[i - 1] for i in continuation) == pytest.approx(
+        sum(expected[i - 1] for i in continuation), abs=1e-3
+    )
+
+
+async def test_penalties_bias_and_vllm_extras_pass_through(
+    server: RemoteServer, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    forced = tokenizer.encode(" banana")[0]
+    repetitive = "la la la la la la la la la la"
+    greedy: dict[str, Any] = dict(model=MODEL, max_tokens=8, temperature=0.0)
+    async with async_client(server) as client:
+        biased, plain, penalized, chat = await asyncio.gather(
+            client.completions.create(
+                **greedy, prompt=PROMPT, logit_bias={str(forced): 100}, extra_body={"ignore_eos": True}
+            ),
+            client.completions.create(**greedy, prompt=repetitive),
+            client.completions.create(
+                **greedy, prompt=repetitive, presence_penalty=2.0, frequency_penalty=1.0
+            ),
+            client.chat.completions.create(
+                model=MODEL,
+                messages=MESSAGES,
+                max_tokens=4,
+                seed=3,
+                extra_body={
+                    "repetition_penalty": 1.2,
+                    "min_tokens": 4,
+                    "min_p": 0.05,
+                    "top_k": 20,
+                    "bad_words": ["red"],
+                    "allowed_token_ids": list(range(100, 5000)),
+                    "prompt_logprobs": 1,
+                    "include_stop_str_in_output": True,
+                    "skip_special_tokens": False,
+                },
+            ),
+        )
+    assert biased.choices[0].text == tokenizer.decode([forced] * 8)
+    assert penalized.choices[0].text != plain.choices[0].text
+    assert chat.usage is not None and chat.usage.completion_tokens == 4  # min_tokens
+    prompt_logprobs = (chat.model_extra or {})["prompt_logprobs"]
+    assert len(prompt_logprobs) == chat.usage.prompt_tokens and prompt_logprobs[0] is None
 
 
 def test_tokenize_detokenize_models_version(server: RemoteServer, tokenizer: PreTrainedTokenizerBase) -> None:

@@ -1,10 +1,12 @@
 """The engine's per-token logprobs (`SampleLogprobs`) in OpenAI's two shapes: the legacy completions one
-(parallel lists) and the chat one (one object per token)."""
+(parallel lists, with echo the prompt's first) and the chat one (one object per token); and the prompt's
+(`PromptLogprobs`) in vLLM's shape."""
 
 from __future__ import annotations
 
-from llmserve.entrypoints.openai.responses import CompletionLogprobs, TokenLogprob, TopLogprob
-from llmserve.outputs import Logprob, SampleLogprobs
+from llmserve.entrypoints.openai import responses
+from llmserve.entrypoints.openai.responses import CompletionLogprobs, PromptLogprob, TokenLogprob, TopLogprob
+from llmserve.outputs import Logprob, PromptLogprobs, SampleLogprobs
 
 # OpenAI's floor for a token's logprob; also keeps -inf (which JSON cannot carry) out of responses.
 MIN_LOGPROB = -9999.0
@@ -36,6 +38,45 @@ def completion_logprobs(
         out.text_offset.append(text_offset)
         text_offset += len(text)
     return out, text_offset
+
+
+def echo_logprobs(
+    token_ids: list[int], logprobs: PromptLogprobs, k: int, first_token: str
+) -> tuple[CompletionLogprobs, int]:
+    """The prompt's tokens in the completions shape, as OpenAI's echo returns them: the first token
+    (`first_token`, its text) has no logprob, so None in `token_logprobs` and `top_logprobs`.
+    Returns them and the text offset after the prompt."""
+    entries = [e for e in logprobs[1:] if e is not None]
+    if len(entries) != len(token_ids) - 1:
+        raise RuntimeError("the engine's prompt logprobs do not cover the prompt")
+    out, text_offset = completion_logprobs(token_ids[1:], entries, k, len(first_token))
+    out.tokens.insert(0, first_token)
+    out.token_logprobs.insert(0, None)
+    out.top_logprobs.insert(0, None)
+    out.text_offset.insert(0, 0)
+    return out, text_offset
+
+
+def concat(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        tokens=a.tokens + b.tokens,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+        text_offset=a.text_offset + b.text_offset,
+    )
+
+
+def prompt_logprobs(logprobs: PromptLogprobs) -> responses.PromptLogprobs:
+    """vLLM's `prompt_logprobs` response field: every logprob the engine returned, by token id."""
+    return [
+        None
+        if entry is None
+        else {
+            t: PromptLogprob(logprob=_clamp(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+            for t, lp in entry.items()
+        }
+        for entry in logprobs
+    ]
 
 
 def chat_logprobs(token_ids: list[int], logprobs: SampleLogprobs, k: int) -> list[TokenLogprob]:

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI API, as pydantic models.
 
 Unknown fields are refused, as OpenAI does. OpenAI fields we do not implement are declared only to be
-told apart: each lists its harmless values (those that change nothing, like `presence_penalty: 0`), and
+told apart: each lists its harmless values (those that change nothing, like `tools: []`), and
 any other value is refused with a 400 naming the field, never silently ignored.
 """
 
@@ -39,13 +39,6 @@ class StreamOptions(OpenAIRequest):
 class SamplingRequest(OpenAIRequest):
     """The fields completions and chat completions share: the model, sampling and streaming."""
 
-    harmless: ClassVar[dict[str, tuple[object, ...]]] = {
-        "presence_penalty": (None, 0),
-        "frequency_penalty": (None, 0),
-        "repetition_penalty": (None, 1),
-        "logit_bias": (None, {}),
-    }
-
     model: str | None = None  # None: the first served model name
     n: int = 1
     temperature: float | None = None
@@ -65,16 +58,38 @@ class SamplingRequest(OpenAIRequest):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI sends token ids as strings
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra; returned as `prompt_logprobs`, not streamed
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def engine_logit_bias(self) -> dict[int, float] | None:
+        """`logit_bias` with integer token ids; raises `ValueError` when a key is not one."""
+        if self.logit_bias is None:
+            return None
+        out: dict[int, float] = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                out[int(key)] = bias
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}.") from None
+        return out
+
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, output_kind: RequestOutputKind
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        output_kind: RequestOutputKind,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        """Raises `ValueError` naming the field when a value is out of range."""
+        """Raises `ValueError` naming the field when a value is out of range. `prompt_logprobs`
+        (completions' echo) is asked for in addition to the request's own."""
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not available when streaming.")
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -89,9 +104,23 @@ class SamplingRequest(OpenAIRequest):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.engine_logit_bias(),
+            bad_words=self.bad_words,
+            allowed_token_ids=self.allowed_token_ids,
             logprobs=logprobs,
+            prompt_logprobs=_wider(self.prompt_logprobs, prompt_logprobs),
             output_kind=output_kind,
         )
+
+
+def _wider(a: int | None, b: int | None) -> int | None:
+    """The larger of two top-k requests, where None asks for nothing and -1 for everything."""
+    if a is None or b is None:
+        return b if a is None else a
+    return -1 if -1 in (a, b) else max(a, b)
 
 
 Prompt = Annotated[
@@ -159,7 +188,7 @@ class ChatCompletionRequest(SamplingRequest):
     harmless: ClassVar[dict[str, tuple[object, ...]]] = {
         **SamplingRequest.harmless,
         "tools": (None, []),
-        "tool_choice": (None, "none"),
+        "tool_choice": (None, "none", "auto"),  # "auto" with no tools chooses none
         "parallel_tool_calls": (None, True, False),
         "functions": (None, []),
         "function_call": (None, "none"),

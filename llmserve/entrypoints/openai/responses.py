@@ -35,11 +35,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's shape of one token's logprob in `prompt_logprobs` (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's extra: one entry per prompt token, the first None; sent only when `prompt_logprobs` was asked
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -90,6 +103,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -8,7 +8,7 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from llmserve.entrypoints.openai.errors import bad_request
-from llmserve.entrypoints.openai.logprobs import chat_logprobs
+from llmserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs
 from llmserve.entrypoints.openai.protocol import ChatCompletionRequest
 from llmserve.entrypoints.openai.responses import (
     AssistantMessage,
@@ -41,9 +41,12 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
         request_id, model, params, prompt = self._start(request)
         samples: list[CompletionOutput] = []
+        prompt_lps = None
         async with aclosing(self.generate(request_id, [prompt], params)) as stream:
             async for _, output in stream:
                 samples = output.outputs
+                if output.prompt_logprobs is not None:
+                    prompt_lps = prompt_logprobs(output.prompt_logprobs)
         choices = [
             ChatChoice(
                 index=s.index,
@@ -54,7 +57,9 @@ class OpenAIServingChat(OpenAIServing):
             for s in samples
         ]
         usage = UsageInfo.of(len(prompt.token_ids), sum(len(s.token_ids) for s in samples))
-        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+        return ChatCompletionResponse(
+            id=request_id, model=model, choices=choices, usage=usage, prompt_logprobs=prompt_lps
+        )
 
     def create_stream(self, request: ChatCompletionRequest) -> AsyncGenerator[str, None]:
         """Validates now (errors are raised here, before the 200); the returned events do the rest."""

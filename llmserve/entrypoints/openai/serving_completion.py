@@ -6,26 +6,41 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from dataclasses import dataclass
 
-from llmserve.entrypoints.openai.errors import OpenAIError, bad_request
-from llmserve.entrypoints.openai.logprobs import completion_logprobs
+from llmserve.entrypoints.openai.errors import bad_request
+from llmserve.entrypoints.openai.logprobs import completion_logprobs, concat, echo_logprobs, prompt_logprobs
 from llmserve.entrypoints.openai.protocol import CompletionRequest
-from llmserve.entrypoints.openai.responses import CompletionChoice, CompletionResponse, UsageInfo
+from llmserve.entrypoints.openai.responses import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    PromptLogprobs,
+    UsageInfo,
+)
 from llmserve.entrypoints.openai.serving_engine import OpenAIServing, PreparedPrompt
 from llmserve.entrypoints.openai.streaming import DONE, error_event, event
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.sampling_params import SamplingParams
 
 
+@dataclass
+class Echo:
+    """The prompt as `echo` returns it before the generated text: its text and, when logprobs were
+    asked, its tokens' logprobs, after which the generated tokens' text offsets continue."""
+
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    text_offset: int = 0
+
+
 class OpenAIServingCompletion(OpenAIServing):
     def _start(self, request: CompletionRequest) -> tuple[str, str, SamplingParams, list[PreparedPrompt]]:
         """Everything that can fail with a 400/404, done before the engine sees the request."""
         model = self.check_request(request)
-        if request.echo and request.logprobs is not None:
-            raise OpenAIError(
-                "echo with logprobs is not supported: the engine returns no prompt logprobs.", param="echo"
-            )
-        params = self.sampling_params(request, request.max_tokens, request.logprobs)
+        # echo with logprobs returns the prompt's logprobs first: the engine computes them
+        echoed = request.logprobs if request.echo else None
+        params = self.sampling_params(request, request.max_tokens, request.logprobs, echoed)
         try:
             prompts = request.prompts()
         except ValueError as e:
@@ -33,10 +48,21 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = f"cmpl-{uuid.uuid4().hex}"
         return request_id, model, params, self.prepare(request_id, prompts, params, request, "prompt")
 
-    def _echo(self, prompt: PreparedPrompt) -> str:
-        if prompt.text is not None:
-            return prompt.text
-        return str(self.engine.tokenizer.decode(prompt.token_ids))
+    def _echo(self, request: CompletionRequest, prompt: PreparedPrompt, output: RequestOutput) -> Echo | None:
+        """What echo returns for this prompt; `output` is the first (or only) one of its request."""
+        if not request.echo:
+            return None
+        tokenizer = self.engine.tokenizer
+        text = prompt.text if prompt.text is not None else str(tokenizer.decode(prompt.token_ids))
+        if request.logprobs is None:
+            return Echo(text)
+        if output.prompt_logprobs is None:
+            raise RuntimeError("the engine returned no prompt logprobs")
+        first = str(tokenizer.decode(prompt.token_ids[:1]))
+        logprobs, text_offset = echo_logprobs(
+            prompt.token_ids, output.prompt_logprobs, request.logprobs, first
+        )
+        return Echo(text, logprobs, text_offset)
 
     async def create(self, request: CompletionRequest) -> CompletionResponse:
         request_id, model, params, prompts = self._start(request)
@@ -47,10 +73,12 @@ class OpenAIServingCompletion(OpenAIServing):
         choices: list[CompletionChoice] = []
         completion_tokens = 0
         for i, prompt in enumerate(prompts):
-            prefix = self._echo(prompt) if request.echo else ""
+            echo = self._echo(request, prompt, finals[i])
+            asked = request.prompt_logprobs is not None and finals[i].prompt_logprobs is not None
+            prompt_lps = prompt_logprobs(finals[i].prompt_logprobs or []) if asked else None
             for sample in finals[i].outputs:
                 completion_tokens += len(sample.token_ids)
-                choice, _ = self._choice(i * params.n + sample.index, sample, prefix, params, 0)
+                choice, _ = self._choice(i * params.n + sample.index, sample, params, 0, echo, prompt_lps)
                 choices.append(choice)
         usage = UsageInfo.of(sum(len(p.token_ids) for p in prompts), completion_tokens)
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
@@ -70,19 +98,22 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncGenerator[str, None]:
         created = int(time.time())
         unechoed = set(range(len(prompts) * params.n)) if request.echo else set()
+        echoes: dict[int, Echo | None] = {}  # by prompt, from its request's first output
         text_offsets = [0] * (len(prompts) * params.n)
         completion_tokens = 0
         try:
             async with aclosing(self.generate(request_id, prompts, params)) as stream:
                 async for i, output in stream:
                     choices: list[CompletionChoice] = []
+                    if i not in echoes:
+                        echoes[i] = self._echo(request, prompts[i], output)
                     for sample in output.outputs:
                         index = i * params.n + sample.index
-                        prefix = self._echo(prompts[i]) if index in unechoed else ""
+                        echo = echoes[i] if index in unechoed else None
                         unechoed.discard(index)
                         completion_tokens += len(sample.token_ids)
                         choice, text_offsets[index] = self._choice(
-                            index, sample, prefix, params, text_offsets[index]
+                            index, sample, params, text_offsets[index], echo
                         )
                         choices.append(choice)
                     yield event(
@@ -99,15 +130,29 @@ class OpenAIServingCompletion(OpenAIServing):
 
     @staticmethod
     def _choice(
-        index: int, sample: CompletionOutput, prefix: str, params: SamplingParams, text_offset: int
+        index: int,
+        sample: CompletionOutput,
+        params: SamplingParams,
+        text_offset: int,
+        echo: Echo | None = None,
+        prompt_lps: PromptLogprobs | None = None,
     ) -> tuple[CompletionChoice, int]:
-        """The choice for these tokens, and the text offset after them (for the next delta's logprobs)."""
-        logprobs = None
+        """The choice for these tokens (after the echoed prompt, if any), and the text offset after
+        them (for the next delta's logprobs)."""
+        prefix, logprobs = "", None
+        if echo is not None:
+            prefix, logprobs = echo.text, echo.logprobs
+            text_offset = echo.text_offset if echo.logprobs is not None else text_offset
         if params.logprobs is not None and sample.logprobs is not None:
-            logprobs, text_offset = completion_logprobs(
+            generated, text_offset = completion_logprobs(
                 sample.token_ids, sample.logprobs, params.logprobs, text_offset
             )
+            logprobs = generated if logprobs is None else concat(logprobs, generated)
         choice = CompletionChoice(
-            index=index, text=prefix + sample.text, logprobs=logprobs, finish_reason=sample.finish_reason
+            index=index,
+            text=prefix + sample.text,
+            logprobs=logprobs,
+            finish_reason=sample.finish_reason,
+            prompt_logprobs=prompt_lps,
         )
         return choice, text_offset

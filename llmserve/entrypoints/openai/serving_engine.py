@@ -49,12 +49,15 @@ class OpenAIServing:
 
     @staticmethod
     def sampling_params(
-        request: SamplingRequest, max_tokens: int | None, logprobs: int | None
+        request: SamplingRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """Streams get deltas; the others only the finished output."""
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         try:
-            return request.sampling_params(max_tokens, logprobs, kind)
+            return request.sampling_params(max_tokens, logprobs, kind, prompt_logprobs)
         except ValueError as e:
             raise bad_request(e, type(request).model_fields) from e
 
