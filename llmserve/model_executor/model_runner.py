@@ -33,6 +33,7 @@ class ModelRunner:
         model = model.to_empty(device=self.device).to(self.dtype)
         model.rotary.compute_tables()
         model.load_weights(iter_weights(source))
+        model.pack_for_cpu()
         self.model = model.eval()
         self.kv_caches: list[KVCache] = []
         self.block_size = 0

@@ -14,6 +14,7 @@ from torch import nn
 
 from llmserve.model_executor.attention import AttentionMetadata, paged_attention
 from llmserve.model_executor.layers.layernorm import RMSNorm
+from llmserve.model_executor.layers.linear import Linear, pack_weight, packed_linear
 from llmserve.model_executor.layers.rotary_embedding import RopeAngles, RotaryEmbedding, apply_rope
 from llmserve.model_executor.models.llama_config import LlamaConfig
 
@@ -28,10 +29,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
 
     def forward(
@@ -49,8 +48,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -97,6 +96,7 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        self.packed_lm_head: torch.Tensor | None = None
 
     def forward(
         self,
@@ -112,9 +112,21 @@ class LlamaForCausalLM(nn.Module):
             x = layer(rope, x, kv_cache, meta)
         return self.norm(x)
 
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.packed_lm_head is not None:
+            return packed_linear(hidden, self.packed_lm_head).float()
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def pack_for_cpu(self) -> None:
+        """Pre-pack every projection for oneDNN (see `layers/linear.py`); a no-op off CPU fp32."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
+        self.packed_lm_head = pack_weight(self.lm_head_weight)
 
     def shard_sizes(self, fused: str) -> list[int]:
         c = self.config
