@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from llmserve import LLM, SamplingParams
+from llmserve import LLM, AsyncLLM, RequestOutputKind, SamplingParams
 from tests.e2e.conftest import PROMPTS
 from tests.e2e.greedy_reference import Reference, compare_greedy, hf_greedy, hf_teacher_forced
 
@@ -74,3 +74,26 @@ def test_64_mixed_prompts_in_one_batch_match_hf_alone(llm: LLM, hf_model: Any) -
         note = compare_greedy(completion, ref)
         if note:
             print(note)
+
+
+async def test_async_llm_logprobs_match_hf(references: list[Reference]) -> None:
+    engine = AsyncLLM(kv_cache_memory=256 << 20, log_stats=False)
+    try:
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=8,
+            ignore_eos=True,
+            logprobs=5,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        outputs = [out async for out in engine.generate(PROMPTS[0], params, "async-logprobs")]
+    finally:
+        engine.shutdown()
+    output = outputs[-1].outputs[0]
+    assert output.logprobs is not None and len(output.logprobs) == 8
+    for position, entry in enumerate(output.logprobs):
+        top = references[0].logprobs[position].topk(5)
+        ranked = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank is not None)
+        assert [t for _, t, _ in ranked[:5]] == top.indices.tolist()
+        for (_, _, ours), theirs in zip(ranked, top.values.tolist()):
+            assert abs(ours - theirs) < 1e-3

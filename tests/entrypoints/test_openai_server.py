@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -198,7 +197,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
 
 
 def test_echo_logprobs_score_a_continuation_as_transformers_does(
-    client: openai.OpenAI, tokenizer: PreTrainedTokenizerBase, default_model_path: Path
+    client: openai.OpenAI, tokenizer: PreTrainedTokenizerBase, hf_model: Any
 ) -> None:
     """lm-evaluation-harness's log-likelihood request: token ids, `echo`, `max_tokens=1`, `logprobs=1`;
     the continuation's summed logprob is read from the echoed prompt's `token_logprobs`."""
@@ -223,13 +222,8 @@ def test_echo_logprobs_score_a_continuation_as_transformers_does(
     assert [t for s in streamed for t in s.tokens or []] == lp.tokens
     assert [x for s in streamed for x in s.text_offset or []] == lp.text_offset
 
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(
-        default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
-    ).eval()
     with torch.no_grad():
-        reference = hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)  # [len, vocab]
+        reference = hf_model(torch.tensor([ids])).logits[0].float().log_softmax(-1)  # [len, vocab]
     expected = [reference[i - 1, ids[i]].item() for i in range(1, len(ids))]
     got = [x for x in lp.token_logprobs[1 : len(ids)] if x is not None]
     assert got == pytest.approx(expected, abs=1e-3)
@@ -355,3 +349,28 @@ async def test_50_concurrent_streams_10_disconnect(server: RemoteServer) -> None
             assert _metric(metrics, f"{name}_count") > 0
         assert _metric(metrics, "generation_tokens_total") >= 40 * 16
         assert 'llmserve:request_success_total{finished_reason="length"' in metrics
+
+
+def test_top5_logprobs_equal_transformers(
+    client: openai.OpenAI, tokenizer: PreTrainedTokenizerBase, hf_model: Any
+) -> None:
+    """Greedy with logprobs=5: each position's top-5 logprobs equal HF's log_softmax within 1e-3."""
+    ids = tokenizer.encode("The theory of general relativity describes gravity as")
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, logprobs=5, temperature=0.0)
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.top_logprobs
+    generated = tokenizer.encode(out.choices[0].text, add_special_tokens=False)
+    # Teacher-force HF on our tokens, as far as the text re-encodes to the same tokens.
+    agree = 0
+    for token_id, text in zip(generated, lp.tokens):
+        if tokenizer.decode([token_id]) != text:
+            break
+        agree += 1
+    assert agree >= 1
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids + generated])).logits[0, len(ids) - 1 : -1]
+    reference = logits.float().log_softmax(-1)
+    for position, top in enumerate(lp.top_logprobs[:agree]):
+        assert top is not None
+        expected = reference[position].topk(5).values.tolist()
+        assert sorted(top.values(), reverse=True)[:5] == pytest.approx(expected, abs=1e-3)
