@@ -13,17 +13,14 @@ from typing import Any, Protocol
 from transformers import PreTrainedTokenizerBase
 
 from llmserve.config import DEFAULT_MODEL, EngineArgs, EngineConfig
-from llmserve.engine.core_client import EngineCoreClient, make_client
 from llmserve.engine.exceptions import EngineDeadError
-from llmserve.engine.input_processor import InputProcessor, PromptType
+from llmserve.engine.front_end import FrontEnd
+from llmserve.engine.input_processor import PromptType
 from llmserve.engine.messages import SchedulerStats
 from llmserve.engine.output_collector import RequestOutputCollector
-from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.parallel_sampling import fan_out
 from llmserve.metrics.loggers import LoggingStatLogger
 from llmserve.metrics.stats import IterationStats
-from llmserve.model_executor.loader import load_tokenizer, resolve_model
-from llmserve.model_executor.loader.tokenizer import eos_token_ids
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -73,17 +70,12 @@ class AsyncLLM:
     ) -> None:
         self.config = config
         self.log_requests = log_requests
-        source = resolve_model(config.model_config.model)
-        self.tokenizer = load_tokenizer(source, config.model_config.chat_template)
-        self.engine_core: EngineCoreClient = make_client(config, asyncio_mode=True)
-        self.limits = self.engine_core.limits
-        self.input_processor = InputProcessor(
-            self.tokenizer,
-            self.limits,
-            eos_token_ids(source, self.tokenizer),
-            config.model_config.max_logprobs,
-        )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        front = FrontEnd.start(config, asyncio_mode=True)
+        self.tokenizer = front.tokenizer
+        self.engine_core = front.engine_core
+        self.limits = front.limits
+        self.input_processor = front.input_processor
+        self.output_processor = front.output_processor
         self.stat_loggers: list[StatLogger] = ([LoggingStatLogger()] if log_stats else []) + stat_loggers
         self._output_handler: asyncio.Task[None] | None = None
         self._dead_error: BaseException | None = None

@@ -5,13 +5,10 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizerBase
 
 from llmserve.config import EngineArgs, EngineConfig
-from llmserve.engine.core_client import EngineCoreClient, make_client
-from llmserve.engine.input_processor import InputProcessor, PromptType
+from llmserve.engine.front_end import FrontEnd
+from llmserve.engine.input_processor import PromptType
 from llmserve.engine.messages import EngineCoreRequest
-from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.parallel_sampling import ParentRequest, fan_out
-from llmserve.model_executor.loader import load_tokenizer, resolve_model
-from llmserve.model_executor.loader.tokenizer import eos_token_ids
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -19,17 +16,12 @@ from llmserve.sampling_params import SamplingParams
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        source = resolve_model(config.model_config.model)
-        self.tokenizer = load_tokenizer(source, config.model_config.chat_template)
-        self.engine_core: EngineCoreClient = make_client(config, asyncio_mode=False)
-        self.limits = self.engine_core.limits
-        self.input_processor = InputProcessor(
-            self.tokenizer,
-            self.limits,
-            eos_token_ids(source, self.tokenizer),
-            config.model_config.max_logprobs,
-        )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        front = FrontEnd.start(config, asyncio_mode=False)
+        self.tokenizer = front.tokenizer
+        self.engine_core = front.engine_core
+        self.limits = front.limits
+        self.input_processor = front.input_processor
+        self.output_processor = front.output_processor
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:

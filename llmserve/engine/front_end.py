@@ -1,0 +1,38 @@
+"""What both entry points (`LLMEngine`, `AsyncLLM`) set up before their first request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from llmserve.config import EngineConfig, ResolvedLimits
+from llmserve.engine.core_client import EngineCoreClient, make_client
+from llmserve.engine.input_processor import InputProcessor
+from llmserve.engine.output_processor import OutputProcessor
+from llmserve.model_executor.loader import load_tokenizer, resolve_model
+from llmserve.model_executor.loader.tokenizer import eos_token_ids
+
+
+@dataclass
+class FrontEnd:
+    """The tokenizer, the started engine core client, and the processors on either side of it."""
+
+    tokenizer: PreTrainedTokenizerBase
+    engine_core: EngineCoreClient
+    input_processor: InputProcessor
+    output_processor: OutputProcessor
+
+    @property
+    def limits(self) -> ResolvedLimits:
+        return self.engine_core.limits
+
+    @classmethod
+    def start(cls, config: EngineConfig, asyncio_mode: bool) -> FrontEnd:
+        source = resolve_model(config.model_config.model)
+        tokenizer = load_tokenizer(source, config.model_config.chat_template)
+        engine_core = make_client(config, asyncio_mode)
+        input_processor = InputProcessor(
+            tokenizer, engine_core.limits, eos_token_ids(source, tokenizer), config.model_config.max_logprobs
+        )
+        return cls(tokenizer, engine_core, input_processor, OutputProcessor(tokenizer))
