@@ -1,12 +1,13 @@
 """Attention over the paged KV cache for a ragged batch of decodes and prefill chunks.
 
 The flattened batch holds the decode tokens first (one per sequence), then each prefill chunk. Decodes
-are attended in one batched call over gathered blocks; prefill chunks one sequence at a time (there are
-few, and each is a large matrix product already).
+are attended in one call: on CPU in fp32 by our C kernel (`kernels/paged_attention.c`), which reads the
+blocks in place, else by PyTorch over gathered blocks. Prefill chunks go one sequence at a time through
+`scaled_dot_product_attention` (there are few, and each is a large matrix product already).
 
 The cache is head-major, `[kv_heads, num_blocks, block_size, head_dim]`, so that gathering a batch's
 blocks yields `[kv_heads, batch, tokens, head_dim]` directly: one copy, and the matrix products read
-it as it lies.
+it as it lies; the C kernel reads one head's block as 16 contiguous rows.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from llmserve.model_executor.kernels import native
 
 
 @dataclass
@@ -36,6 +39,7 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor  # [num_decodes] int64, including the new token
     decode_max_len: int
     prefills: list[PrefillChunk]
+    native_decode: bool = False  # through kernels/paged_attention.c (CPU, fp32, when it could be built)
 
 
 def write_kv(
@@ -60,7 +64,12 @@ def paged_attention(
     out = torch.empty_like(q)
     if meta.num_decodes:
         n = meta.num_decodes
-        out[:n] = _decode_attention(q[:n], k_cache, v_cache, meta, scale)
+        if meta.native_decode:
+            out[:n] = native.paged_decode_attention(
+                q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+            )
+        else:
+            out[:n] = _decode_attention(q[:n], k_cache, v_cache, meta, scale)
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
         if chunk.context_len == 0:

@@ -9,7 +9,9 @@ import torch
 from llmserve.config import ModelConfig
 from llmserve.engine.messages import TokenLogprobs
 from llmserve.model_executor.attention import AttentionMetadata, PrefillChunk
+from llmserve.model_executor.cpu_threads import configure_core_threads
 from llmserve.model_executor.device import resolve_device, resolve_dtype
+from llmserve.model_executor.kernels import native
 from llmserve.model_executor.loader import ModelSource, iter_weights
 from llmserve.model_executor.logits_processors import apply_logits_processors, build_logits_metadata
 from llmserve.model_executor.models.llama import KVCache, LlamaForCausalLM
@@ -26,6 +28,13 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, llama_config: LlamaConfig, source: ModelSource):
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
+        self.num_threads = configure_core_threads(model_config.num_threads)
+        self.native_decode = (
+            model_config.attention_backend == "auto"
+            and self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and native.load_paged_attention() is not None
+        )
         self.config = llama_config
         torch.manual_seed(model_config.seed)
         with torch.device("meta"):
@@ -33,7 +42,7 @@ class ModelRunner:
         model = model.to_empty(device=self.device).to(self.dtype)
         model.rotary.compute_tables()
         model.load_weights(iter_weights(source))
-        model.pack_for_cpu()
+        model.prepare_kernels(model_config.quantization)
         self.model = model.eval()
         self.kv_caches: list[KVCache] = []
         self.block_size = 0
@@ -169,6 +178,7 @@ class ModelRunner:
             decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int64, device=self.device),
             decode_max_len=max(decode_lens, default=0),
             prefills=prefills,
+            native_decode=self.native_decode,
         )
         return (
             torch.tensor(token_ids, dtype=torch.int64, device=self.device),

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.config import Quantization
 from llmserve.model_executor.attention import AttentionMetadata, paged_attention
 from llmserve.model_executor.layers.layernorm import RMSNorm
-from llmserve.model_executor.layers.linear import Linear, pack_weight, packed_linear
+from llmserve.model_executor.layers.linear import Linear, LinearKernel, make_kernel
 from llmserve.model_executor.layers.rotary_embedding import RopeAngles, RotaryEmbedding, apply_rope
 from llmserve.model_executor.models.llama_config import LlamaConfig
 
@@ -96,7 +97,7 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
-        self.packed_lm_head: torch.Tensor | None = None
+        self.logits_kernel: LinearKernel | None = None
 
     def forward(
         self,
@@ -117,16 +118,16 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed_lm_head is not None:
-            return packed_linear(hidden, self.packed_lm_head).float()
+        if self.logits_kernel is not None:
+            return self.logits_kernel(hidden).float()
         return F.linear(hidden, self.lm_head_weight).float()
 
-    def pack_for_cpu(self) -> None:
-        """Pre-pack every projection for oneDNN (see `layers/linear.py`); a no-op off CPU fp32."""
+    def prepare_kernels(self, quantization: Quantization) -> None:
+        """Choose every projection's kernel, the output one included (see `layers/linear.py`)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack_for_cpu()
-        self.packed_lm_head = pack_weight(self.lm_head_weight)
+                module.prepare(quantization)
+        self.logits_kernel = make_kernel(self.lm_head_weight, None, quantization)
 
     def shard_sizes(self, fused: str) -> list[int]:
         c = self.config

@@ -1,0 +1,34 @@
+"""How many threads compute, and where.
+
+The engine core's OpenMP threads spin at barriers between operations; a second busy process on one of
+their cores stalls every barrier (a 2-thread run slows 3-10x). So the core takes the cores this
+process may run on, and the server's front end, a process we own, keeps torch to one thread (it only
+tokenizes, detokenizes and moves messages). `LLM` and `AsyncLLM` leave their caller's process as it is.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def core_thread_count(requested: int | None) -> int:
+    """As requested, else OMP_NUM_THREADS (the user's word), else every core in this process's affinity."""
+    if requested is not None:
+        return requested
+    from_env = os.environ.get("OMP_NUM_THREADS", "")
+    if from_env.isdigit() and int(from_env) > 0:
+        return int(from_env)
+    return len(os.sched_getaffinity(0))
+
+
+def configure_core_threads(requested: int | None) -> int:
+    count = core_thread_count(requested)
+    torch.set_num_threads(count)
+    return count
+
+
+def configure_front_end_threads() -> None:
+    """For a front end whose engine core runs in another process."""
+    torch.set_num_threads(1)

@@ -1,0 +1,51 @@
+"""The CPU linear kernels compute what `F.linear` computes; the thread count follows the rules."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmserve.model_executor.cpu_threads import core_thread_count
+from llmserve.model_executor.layers.linear import Fp16WeightKernel, Linear, OneDNNKernel, make_kernel
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_kernel_matches_f_linear(rows: int, bias: bool) -> None:
+    layer = Linear(48, 80, bias=bias)
+    x = torch.randn(rows, 48)
+    expected = F.linear(x, layer.weight, layer.bias)
+    layer.prepare("none")
+    assert isinstance(layer.kernel, OneDNNKernel)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 33])
+def test_fp16_kernel_is_f_linear_on_fp16_rounded_weights(rows: int) -> None:
+    layer = Linear(64, 96, bias=True)
+    x = torch.randn(rows, 64)
+    layer.prepare("fp16")
+    assert isinstance(layer.kernel, Fp16WeightKernel)
+    expected = F.linear(x, layer.weight.half().float(), layer.bias)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), rtol=0, atol=1e-7)
+
+
+def test_fp16_weights_need_cpu_fp32() -> None:
+    with pytest.raises(ValueError, match="fp16"):
+        make_kernel(torch.randn(4, 4, dtype=torch.bfloat16), None, "fp16")
+
+
+def test_reduced_precision_keeps_f_linear() -> None:
+    assert make_kernel(torch.randn(4, 4, dtype=torch.bfloat16), None, "none") is None
+
+
+def test_core_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert core_thread_count(5) == 5
+    assert core_thread_count(None) == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert core_thread_count(None) == len(os.sched_getaffinity(0))
