@@ -27,11 +27,13 @@ def test_onednn_kernel_matches_f_linear(rows: int, bias: bool) -> None:
 def test_fp16_kernel_is_f_linear_on_fp16_rounded_weights(rows: int) -> None:
     layer = Linear(64, 96, bias=True)
     x = torch.randn(rows, 64)
+    exact = F.linear(x, layer.weight, layer.bias)
+    expected = F.linear(x, layer.weight.half().float(), layer.bias)
     layer.prepare("fp16")
     assert isinstance(layer.kernel, Fp16WeightKernel)
-    expected = F.linear(x, layer.weight.half().float(), layer.bias)
     torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
-    assert not torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), rtol=0, atol=1e-7)
+    assert not torch.allclose(layer(x), exact, rtol=0, atol=1e-7)
+    assert layer.weight.numel() == 0  # the kernel's copy is the only one left
 
 
 def test_fp16_weights_need_cpu_fp32() -> None:

@@ -29,7 +29,10 @@ class Linear(nn.Linear):
     kernel: LinearKernel | None = None
 
     def prepare(self, quantization: Quantization) -> None:
+        """After the weights are loaded. A kernel keeps its own copy, so the plain weight is freed."""
         self.kernel = make_kernel(self.weight, self.bias, quantization)
+        if self.kernel is not None:
+            self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
