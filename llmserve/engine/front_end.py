@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
@@ -30,8 +31,11 @@ class FrontEnd:
     @classmethod
     def start(cls, config: EngineConfig, asyncio_mode: bool) -> FrontEnd:
         source = resolve_model(config.model_config.model)
-        tokenizer = load_tokenizer(source, config.model_config.chat_template)
-        engine_core = make_client(config, asyncio_mode)
+        # The tokenizer loads while the engine core starts (a second or two off the start-up).
+        with ThreadPoolExecutor(1, thread_name_prefix="load-tokenizer") as pool:
+            loading = pool.submit(load_tokenizer, source, config.model_config.chat_template)
+            engine_core = make_client(config, asyncio_mode)
+            tokenizer = loading.result()
         input_processor = InputProcessor(
             tokenizer, engine_core.limits, eos_token_ids(source, tokenizer), config.model_config.max_logprobs
         )
