@@ -16,7 +16,6 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 Quantization = Literal["none", "fp16"]
-AttentionBackend = Literal["auto", "torch"]
 
 
 @dataclass(frozen=True)
@@ -30,7 +29,7 @@ class ModelConfig:
     max_logprobs: int = 20  # the largest `logprobs` a request may ask for (-1: no limit)
     quantization: Quantization = "none"  # fp16: weights stored in fp16, computed in fp32 (CPU)
     num_threads: int | None = None  # the engine core's compute threads; None: OMP_NUM_THREADS or all cores
-    attention_backend: AttentionBackend = "auto"  # auto: our C decode kernel on CPU fp32 when it builds
+    native_kernels: bool = True  # our C kernels (kernels/) on CPU in fp32, where they build; else PyTorch's
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -41,8 +40,6 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
         if self.quantization not in ("none", "fp16"):
             raise ValueError(f"quantization must be none or fp16, got {self.quantization!r}.")
-        if self.attention_backend not in ("auto", "torch"):
-            raise ValueError(f"attention_backend must be auto or torch, got {self.attention_backend!r}.")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}.")
 
@@ -104,7 +101,7 @@ class EngineArgs:
     max_logprobs: int = 20
     quantization: Quantization = "none"
     num_threads: int | None = None
-    attention_backend: AttentionBackend = "auto"
+    native_kernels: bool = True
     block_size: int = 16
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True

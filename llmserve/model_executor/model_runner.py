@@ -12,7 +12,7 @@ from llmserve.model_executor.attention import AttentionMetadata, PrefillChunk
 from llmserve.model_executor.cpu_threads import configure_core_threads
 from llmserve.model_executor.device import resolve_device, resolve_dtype
 from llmserve.model_executor.kernels import native
-from llmserve.model_executor.loader import ModelSource, iter_weights
+from llmserve.model_executor.loader import ModelSource, iter_gguf_blocks, iter_weights
 from llmserve.model_executor.logits_processors import apply_logits_processors, build_logits_metadata
 from llmserve.model_executor.models.llama import KVCache, LlamaForCausalLM
 from llmserve.model_executor.models.llama_config import LlamaConfig
@@ -29,11 +29,11 @@ class ModelRunner:
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         self.num_threads = configure_core_threads(model_config.num_threads)
-        self.native_decode = (
-            model_config.attention_backend == "auto"
+        self.native = (
+            model_config.native_kernels
             and self.device.type == "cpu"
             and self.dtype == torch.float32
-            and native.load_paged_attention() is not None
+            and native.load_library() is not None
         )
         self.config = llama_config
         torch.manual_seed(model_config.seed)
@@ -43,6 +43,8 @@ class ModelRunner:
         model.rotary.compute_tables()
         model.load_weights(iter_weights(source))
         model.prepare_kernels(model_config.quantization)
+        if self.native and source.format == "gguf" and model_config.quantization == "none":
+            model.attach_blocks(iter_gguf_blocks(source, {native.GGML_Q4_1, native.GGML_Q8_0}))
         self.model = model.eval()
         self.kv_caches: list[KVCache] = []
         self.block_size = 0
@@ -59,7 +61,7 @@ class ModelRunner:
         self.block_size = block_size
         # The C kernel reads only written slots, so its cache needs no clearing (1.5 s for 4 GiB). The
         # PyTorch path reads padding too, masked out; that must not be NaN, so its cache starts at zero.
-        allocate = torch.empty if self.native_decode else torch.zeros
+        allocate = torch.empty if self.native else torch.zeros
         self.kv_caches = [
             (
                 allocate(shape, dtype=self.dtype, device=self.device),
@@ -181,7 +183,7 @@ class ModelRunner:
             decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int64, device=self.device),
             decode_max_len=max(decode_lens, default=0),
             prefills=prefills,
-            native_decode=self.native_decode,
+            native_decode=self.native,
         )
         return (
             torch.tensor(token_ids, dtype=torch.int64, device=self.device),

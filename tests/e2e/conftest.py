@@ -26,7 +26,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="session")
 def llm() -> Iterator[LLM]:
-    engine = LLM(kv_cache_memory=512 << 20, max_num_seqs=128)
+    engine = LLM(kv_cache_memory=512 << 20, max_num_seqs=128, dtype="float32")  # HF reference: fp32
     yield engine
     engine.shutdown()
 

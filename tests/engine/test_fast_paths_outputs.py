@@ -6,15 +6,19 @@ import random
 from pathlib import Path
 
 import pytest
+from gguf import GGMLQuantizationType
 
 from llmserve import SamplingParams
 from llmserve.model_executor.kernels import native
+from llmserve.model_executor.layers.linear import BlockKernel
 from tests.engine.greedy_compare import assert_same_greedy
 from tests.engine.test_llm_batching import core_of, make_llm
-from tests.fixtures.tiny_llama import VOCAB_SIZE
+from tests.fixtures.tiny_llama import VOCAB_SIZE, gguf_name, write_gguf
+
+TINY_LAYERS = 2  # tests/fixtures/tiny_llama.py
 
 
-@pytest.mark.skipif(native.load_paged_attention() is None, reason="no C compiler here")
+@pytest.mark.skipif(native.load_library() is None, reason="no C compiler here")
 def test_native_decode_attention_gives_the_torch_outputs(tiny_llama_hf_dir: Path) -> None:
     rng = random.Random(5)
     shared = [rng.randrange(3, VOCAB_SIZE) for _ in range(40)]
@@ -24,16 +28,50 @@ def test_native_decode_attention_gives_the_torch_outputs(tiny_llama_hf_dir: Path
     ]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     results = {}
-    for backend in ("auto", "torch"):
+    for native_kernels in (True, False):
         # Small token budget: prefill chunks, prefix hits and decodes share steps.
-        llm = make_llm(tiny_llama_hf_dir, attention_backend=backend, max_num_batched_tokens=64)
+        llm = make_llm(tiny_llama_hf_dir, native_kernels=native_kernels, max_num_batched_tokens=64)
         try:
-            assert core_of(llm).model_runner.native_decode == (backend == "auto")
-            results[backend] = llm.generate(prompts, params, use_tqdm=False)
+            assert core_of(llm).model_runner.native == native_kernels
+            results[native_kernels] = llm.generate(prompts, params, use_tqdm=False)
         finally:
             llm.shutdown()
-    for fast, plain in zip(results["auto"], results["torch"]):
+    for fast, plain in zip(results[True], results[False]):
         assert_same_greedy(fast.outputs[0], plain.outputs[0])
         for a, b in zip(fast.outputs[0].logprobs or [], plain.outputs[0].logprobs or []):
             for token, entry in a.items():
                 assert abs(entry.logprob - b[token].logprob) < 1e-4
+
+
+@pytest.mark.skipif(native.load_library() is None, reason="no C compiler here")
+def test_gguf_block_kernels_give_the_torch_outputs(tiny_llama_hf_dir: Path, tmp_path: Path) -> None:
+    """A GGUF whose projections are Q4_1 and output head Q8_0, decoded a few rows at a time from blocks."""
+    types = {gguf_name(name): GGMLQuantizationType.Q4_1 for name in _projection_names()}
+    types["output.weight"] = GGMLQuantizationType.Q8_0
+    path = write_gguf(tmp_path / "q4.gguf", tiny_llama_hf_dir, types=types)
+    rng = random.Random(9)
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(3, VOCAB_SIZE) for _ in range(20 + 7 * i)]} for i in range(5)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
+    results = {}
+    for native_kernels in (True, False):
+        llm = make_llm(path, native_kernels=native_kernels, max_num_seqs=4)
+        try:
+            model = core_of(llm).model_runner.model
+            kernels = [layer.mlp.down_proj.kernel for layer in model.layers] + [model.logits_kernel]
+            assert all(isinstance(k, BlockKernel) for k in kernels) == native_kernels
+            results[native_kernels] = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+    for fast, plain in zip(results[True], results[False]):
+        assert_same_greedy(fast.outputs[0], plain.outputs[0])
+        for a, b in zip(fast.outputs[0].logprobs or [], plain.outputs[0].logprobs or []):
+            for token, entry in a.items():
+                assert abs(entry.logprob - b[token].logprob) < 1e-4
+
+
+def _projection_names() -> list[str]:
+    parts = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
+    parts += ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    return [f"model.layers.{i}.{part}.weight" for i in range(TINY_LAYERS) for part in parts]

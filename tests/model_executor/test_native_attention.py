@@ -10,7 +10,7 @@ import torch
 from llmserve.model_executor.attention import AttentionMetadata, _decode_attention
 from llmserve.model_executor.kernels import native
 
-pytestmark = pytest.mark.skipif(native.load_paged_attention() is None, reason="no C compiler here")
+pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler here")
 
 
 @pytest.mark.parametrize(

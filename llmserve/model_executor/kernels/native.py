@@ -2,7 +2,10 @@
 
 Plain C rather than a PyTorch C++ extension: against torch's headers a build takes about a minute on a
 small machine, this one well under a second. The library is built for this CPU (-march=native), so the
-cache key includes the CPU's flags. Without a compiler the caller keeps the PyTorch path.
+cache key includes the CPU's flags. Without a compiler the callers keep the PyTorch path.
+
+- `paged_attention.c`: decode attention reading the paged KV cache in place.
+- `block_gemv.c`: a few rows times a weight kept in its GGUF blocks (Q4_1, Q8_0).
 """
 
 from __future__ import annotations
@@ -14,14 +17,13 @@ import logging
 import os
 import shutil
 import subprocess
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention.c")
+_SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -33,30 +35,32 @@ def cache_dir() -> Path:
 
 
 @functools.cache
-def load_paged_attention() -> Callable[..., int] | None:
-    """The C function `paged_decode_attention`, or None (logged once) where it cannot be built."""
+def load_library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (logged once) where they cannot be built."""
     try:
         library = ctypes.CDLL(str(_build()))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", b"") or b""
-        logger.warning("Native paged attention unavailable (%s %s); using PyTorch's.", error, detail.decode())
+        logger.warning("Native kernels unavailable (%s %s); using PyTorch's.", error, detail.decode())
         return None
-    fn = library.paged_decode_attention
-    fn.argtypes = [_PTR] * 6 + [_I64] * 7 + [ctypes.c_float, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
+    library.paged_decode_attention.argtypes = [_PTR] * 6 + [_I64] * 7 + [ctypes.c_float, ctypes.c_int]
+    library.paged_decode_attention.restype = ctypes.c_int
+    library.block_gemv.argtypes = [_PTR, _I64, _I64, _PTR, _I64, ctypes.c_int, _PTR, ctypes.c_int]
+    library.block_gemv.restype = ctypes.c_int
+    return library
 
 
 def _build() -> Path:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (set CC)")
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([compiler, *_FLAGS]).encode() + _cpu_flags())
-    target = cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES))
+    key.update(" ".join([compiler, *_FLAGS]).encode() + _cpu_flags())
+    target = cache_dir() / f"llmserve_kernels-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f"{target.stem}.{os.getpid()}.partial")
-        command = [compiler, *_FLAGS, "-o", str(partial), str(_SOURCE), "-lm"]
+        command = [compiler, *_FLAGS, "-o", str(partial), *map(str, _SOURCES), "-lm"]
         subprocess.run(command, check=True, capture_output=True)
         os.replace(partial, target)  # atomic: concurrent builders each install a whole library
     return target
@@ -75,13 +79,13 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [batch] int64, each >= 1
     scale: float,
 ) -> torch.Tensor:
-    fn = load_paged_attention()
-    assert fn is not None, "check load_paged_attention() first"
+    library = load_library()
+    assert library is not None, "check load_library() first"
     q = q.contiguous()
     out = torch.empty_like(q)
     batch, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_cache.shape
-    status = fn(
+    status = library.paged_decode_attention(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
@@ -101,3 +105,30 @@ def paged_decode_attention(
     if status != 0:
         raise MemoryError("paged_decode_attention could not allocate its score buffer.")
     return out
+
+
+GGML_Q4_1, GGML_Q8_0 = 3, 8  # the block types block_gemv.c reads
+BLOCK_GEMV_MAX_ROWS = 16
+
+
+def block_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int) -> torch.Tensor:
+    """x [rows <= 16, in] fp32 @ W.T, W [out_features, in] held as GGUF blocks [out_features, row_bytes]."""
+    library = load_library()
+    assert library is not None, "check load_library() first"
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    status = library.block_gemv(
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        blocks.data_ptr(),
+        out_features,
+        qtype,
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(
+            f"block_gemv cannot take x {tuple(x.shape)} with block type {qtype} (status {status})."
+        )
+    return y

@@ -8,6 +8,9 @@
   PyTorch's weight-only int8/int4 CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`)
   measured 5-50x slower than fp32 here, and fbgemm's int8 dynamic linear (one activation scale per
   call) drifts ~0.6-1.6 nats per token on SmolLM2, so neither is offered.
+- GGUF blocks, for a few rows: a GGUF model's Q4_1/Q8_0 weights are kept as loaded too, and decode
+  steps of up to `BLOCK_ROWS` rows read those (5 or 8.5 bits a weight, not 32) through our C kernel,
+  which widens them to exactly the fp32 values the other kernels use (3.7x faster at 1 row here).
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.config import Quantization
+from llmserve.model_executor.kernels import native
+
+BLOCK_ROWS = 8  # up to here block_gemv beats oneDNN fp32 on this machine's 2 cores (measured to 16)
 
 
 class LinearKernel(Protocol):
@@ -72,3 +78,25 @@ class Fp16WeightKernel:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+
+
+class BlockKernel:
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        qtype: int,
+        out_features: int,
+        bias: torch.Tensor | None,
+        large: LinearKernel,
+    ) -> None:
+        self.blocks = blocks
+        self.qtype = qtype
+        self.out_features = out_features
+        self.bias = None if bias is None else bias.detach()
+        self.large = large
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > BLOCK_ROWS:
+            return self.large(x)
+        y = native.block_gemv(x, self.blocks, self.qtype, self.out_features)
+        return y if self.bias is None else y + self.bias

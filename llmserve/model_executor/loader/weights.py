@@ -164,6 +164,25 @@ def _iter_gguf(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, tensor
 
 
+def iter_gguf_blocks(source: ModelSource, qtypes: set[int]) -> Iterator[tuple[str, int, torch.Tensor]]:
+    """Yield `(HF name, GGML type, raw blocks [rows, row_bytes] uint8)` for each 2-D weight stored in
+    one of `qtypes`, q/k rows in HF's order as in `iter_weights`: for kernels that read blocks as they are."""
+    header = read_gguf_header(source.path)
+    config = _gguf_config(header)
+    permuted = header.architecture in _PERMUTED_ARCHITECTURES
+    data = map_tensor_data(source.path)
+    for gguf_name, info in header.tensors.items():
+        if int(info.qtype) not in qtypes or len(info.shape) != 2:
+            continue
+        name = _hf_name(gguf_name, source)
+        blocks = torch.from_numpy(np.array(tensor_bytes(data, info)))
+        if permuted and name.endswith("q_proj.weight"):
+            blocks = _unpermute_rows(blocks, config.num_attention_heads)
+        elif permuted and name.endswith("k_proj.weight"):
+            blocks = _unpermute_rows(blocks, config.num_key_value_heads)
+        yield name, int(info.qtype), blocks.contiguous()
+
+
 def _hf_name(gguf_name: str, source: ModelSource) -> str:
     if gguf_name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[gguf_name]

@@ -15,7 +15,7 @@ from torch import nn
 from llmserve.config import Quantization
 from llmserve.model_executor.attention import AttentionMetadata, paged_attention
 from llmserve.model_executor.layers.layernorm import RMSNorm
-from llmserve.model_executor.layers.linear import Linear, LinearKernel, make_kernel
+from llmserve.model_executor.layers.linear import BlockKernel, Linear, LinearKernel, make_kernel
 from llmserve.model_executor.layers.rotary_embedding import RopeAngles, RotaryEmbedding, apply_rope
 from llmserve.model_executor.models.llama_config import LlamaConfig
 
@@ -128,6 +128,27 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.prepare(quantization)
         self.logits_kernel = make_kernel(self.lm_head_weight, None, quantization)
+
+    def attach_blocks(self, blocks: Iterable[tuple[str, int, torch.Tensor]]) -> None:
+        """Give each projection whose checkpoint shards share one block type a `BlockKernel` over them
+        (see `layers/linear.py`); after `prepare_kernels`, whose kernels take the larger batches."""
+        by_name = {name.removeprefix("model."): (qtype, rows) for name, qtype, rows in blocks}
+        for name, module in self.named_modules():
+            if not isinstance(module, Linear) or module.kernel is None:
+                continue
+            prefix, _, fragment = name.rpartition(".")
+            shards = [fragment]
+            if fragment in ("qkv_proj", "gate_up_proj"):
+                shards = [part for part, (fused, _) in self.FUSED_SHARDS.items() if fused == fragment]
+            found = [by_name.get(f"{prefix}.{shard}.weight") for shard in shards]
+            if all(found) and len({qtype for qtype, _ in found}) == 1:  # type: ignore[misc]
+                rows = torch.cat([r for _, r in found])  # type: ignore[misc]
+                qtype = found[0][0]  # type: ignore[index]
+                module.kernel = BlockKernel(rows, qtype, module.out_features, module.bias, module.kernel)
+        head = by_name.get("lm_head.weight" if self.lm_head is not None else "embed_tokens.weight")
+        if head is not None and self.logits_kernel is not None:
+            qtype, rows = head
+            self.logits_kernel = BlockKernel(rows, qtype, self.config.vocab_size, None, self.logits_kernel)
 
     def shard_sizes(self, fused: str) -> list[int]:
         c = self.config

@@ -1,0 +1,53 @@
+"""Our C kernel over GGUF blocks computes x @ W.T for the dequantized W, and the model picks it up."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from llmserve.model_executor.kernels import native
+from llmserve.model_executor.layers.linear import BLOCK_ROWS, BlockKernel
+
+pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler here")
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("rows", [1, 3, native.BLOCK_GEMV_MAX_ROWS])
+def test_block_gemv_matches_dequantized_weights(qtype: Q, rows: int) -> None:
+    rng = np.random.default_rng(rows)
+    weight = rng.standard_normal((96, 160)).astype(np.float32)
+    weight[5, :32] = 0.0  # a block of zeros: d == 0 (and m == 0 for Q4_1)
+    blocks = quantize(weight, qtype)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    expected = x @ torch.from_numpy(dequantize(blocks, qtype)).T
+    actual = native.block_gemv(x, torch.from_numpy(blocks), int(qtype), 96)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_block_gemv_refuses_what_it_cannot_read() -> None:
+    blocks = torch.from_numpy(quantize(np.ones((4, 64), np.float32), Q.Q8_0))
+    with pytest.raises(ValueError, match="block type"):
+        native.block_gemv(torch.ones(native.BLOCK_GEMV_MAX_ROWS + 1, 64), blocks, int(Q.Q8_0), 4)
+    with pytest.raises(ValueError, match="block type"):
+        native.block_gemv(torch.ones(1, 64), blocks, int(Q.Q5_0), 4)
+
+
+def test_block_kernel_hands_larger_batches_to_the_other_kernel() -> None:
+    weight = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    blocks = torch.from_numpy(quantize(weight, Q.Q8_0))
+    calls: list[int] = []
+
+    def large(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return torch.zeros(x.shape[0], 8)
+
+    bias = torch.arange(8.0)
+    kernel = BlockKernel(blocks, int(Q.Q8_0), 8, bias, large)
+    x = torch.randn(BLOCK_ROWS, 64)
+    expected = x @ torch.from_numpy(dequantize(blocks.numpy(), Q.Q8_0)).T + bias
+    torch.testing.assert_close(kernel(x), expected, rtol=1e-5, atol=1e-4)
+    kernel(torch.randn(BLOCK_ROWS + 1, 64))
+    assert calls == [BLOCK_ROWS + 1]
