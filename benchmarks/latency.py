@@ -2,22 +2,31 @@
 of the process hop (core in its own process vs in-process), and single-stream decode speed with the
 memory bandwidth it achieves against this machine's measured peak.
 
-    .venv/bin/python benchmarks/latency.py                 # everything
-    .venv/bin/python benchmarks/latency.py --only decode   # one section: async, hop or decode
+    .venv/bin/python -m benchmarks.latency                 # everything
+    .venv/bin/python -m benchmarks.latency --only decode   # one section: async, hop or decode
+    .venv/bin/python -m benchmarks.latency --only decode --dtypes float32 --quantizations none fp16
+
+Decode runs once per --dtypes x --quantizations pair the engine accepts. A GGUF's Q4_1/Q8_0 blocks are
+read directly at one sequence when the engine can, so the bytes per token (and the formats) are counted
+from the kernels the engine chose; another GGUF quantization is measured by passing its file as --model.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import random
 import statistics
 import time
+from typing import Any
 
 import torch
 
 from benchmarks.machine import warn_if_busy
+from benchmarks.results import add_json_arg, write_results
 from llmserve import LLM, AsyncLLM, RequestOutputKind, SamplingParams
+from llmserve.engine.input_processor import TokensPrompt
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -31,18 +40,19 @@ async def stream_once(engine: AsyncLLM, prompt: list[int], output_len: int, rid:
     )
     start = time.perf_counter()
     first = last = 0.0
-    async for _ in engine.generate({"prompt_token_ids": prompt}, params, rid):
+    async for _ in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, rid):
         last = time.perf_counter()
         if not first:
             first = last
     return first - start, (last - first) / max(output_len - 1, 1)
 
 
-async def async_section(args: argparse.Namespace) -> None:
+async def async_section(args: argparse.Namespace) -> dict[str, object]:
     engine = AsyncLLM(model=args.model, log_stats=False)
     rng = random.Random(0)
     await stream_once(engine, [rng.randrange(100, 40000) for _ in range(8)], 4, "warmup")
     print(f"AsyncLLM streaming (input {args.input_len}, output {args.output_len} tokens)")
+    levels: dict[str, object] = {}
     for concurrency in (1, 8, 32):
         prompts = [[rng.randrange(100, 40000) for _ in range(args.input_len)] for _ in range(concurrency)]
         results = await asyncio.gather(
@@ -55,15 +65,24 @@ async def async_section(args: argparse.Namespace) -> None:
             f"p99 {percentile(ttft, 0.99):7.1f} ms; TPOT p50 {percentile(tpot, 0.5):6.1f} ms, "
             f"p99 {percentile(tpot, 0.99):6.1f} ms"
         )
+        levels[str(concurrency)] = {
+            "ttft_p50_ms": percentile(ttft, 0.5),
+            "ttft_p99_ms": percentile(ttft, 0.99),
+            "tpot_p50_ms": percentile(tpot, 0.5),
+            "tpot_p99_ms": percentile(tpot, 0.99),
+        }
     engine.shutdown()
+    return {"input_len": args.input_len, "output_len": args.output_len, "concurrency": levels}
 
 
-def hop_section(args: argparse.Namespace) -> None:
+def hop_section(args: argparse.Namespace) -> dict[str, float]:
     """Same decode-heavy batch of 8 through LLM with the core in-process and in its own process."""
     rng = random.Random(1)
-    prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(16)]} for _ in range(8)]
+    prompts = [
+        TokensPrompt(prompt_token_ids=[rng.randrange(100, 40000) for _ in range(16)]) for _ in range(8)
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    times = {}
+    times: dict[bool, float] = {}
     for multiprocess in (False, True):
         llm = LLM(model=args.model, multiprocess=multiprocess)
         llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)
@@ -79,6 +98,7 @@ def hop_section(args: argparse.Namespace) -> None:
         f"process hop at batch 8: {times[False] * 1e3:.1f} ms/step in-process, "
         f"{times[True] * 1e3:.1f} ms/step over ZMQ: {overhead * 100:+.1f}% per step"
     )
+    return {"inprocess_ms_per_step": times[False] * 1e3, "zmq_ms_per_step": times[True] * 1e3}
 
 
 def measured_bandwidth() -> float:
@@ -95,28 +115,84 @@ def _timed(fn: object) -> float:
     return time.perf_counter() - start
 
 
-def decode_section(args: argparse.Namespace) -> None:
+def decode_weight_bytes(model: Any) -> tuple[int, str]:
+    """Weight bytes one single-sequence decode step reads (every projection and the output head; norms
+    and the one embedding row are noise), and the formats it reads them in. This mirrors the kernels
+    of `llmserve/model_executor/layers/linear.py`: GGUF blocks at a few rows, an fp16 copy with
+    `quantization="fp16"`, else the weight at the model's dtype (kernels free the plain weight, so
+    `parameters()` no longer counts them)."""
+    from llmserve.model_executor.layers.linear import BlockKernel, Fp16WeightKernel, Linear
+
+    dtype = model.embed_tokens.weight.dtype
+    heads = [(m.kernel, m.out_features * m.in_features) for m in model.modules() if isinstance(m, Linear)]
+    heads.append((model.logits_kernel, model.config.vocab_size * model.config.hidden_size))
+    total, formats = 0, set()
+    for kernel, numel in heads:
+        if isinstance(kernel, BlockKernel):
+            nbytes, fmt = kernel.blocks.numel() * kernel.blocks.element_size(), kernel_format(kernel.qtype)
+        elif isinstance(kernel, Fp16WeightKernel):
+            nbytes, fmt = numel * 2, "fp16"
+        else:
+            nbytes, fmt = numel * dtype.itemsize, str(dtype).removeprefix("torch.")
+        total += nbytes
+        formats.add(fmt)
+    return total, "+".join(sorted(formats))
+
+
+def kernel_format(qtype: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(qtype).name
+
+
+def decode_rate(llm: LLM, args: argparse.Namespace) -> float:
+    """Tokens/s between the first and the last token (the prefill excluded), median of three runs."""
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    prompt = TokensPrompt(prompt_token_ids=list(range(100, 100 + args.input_len)))
+    llm.generate(prompt, SamplingParams(max_tokens=4), use_tqdm=False)
+    rates = []
+    for _ in range(3):
+        m = llm.generate(prompt, params, use_tqdm=False)[0].metrics
+        assert m is not None and m.first_token_time is not None and m.last_token_time is not None
+        rates.append((args.output_len - 1) / (m.last_token_time - m.first_token_time))
+    return statistics.median(rates)
+
+
+def decode_section(args: argparse.Namespace) -> dict[str, object]:
     peak = measured_bandwidth()
     print(f"single-stream decode (machine read bandwidth {peak:.1f} GB/s, {torch.get_num_threads()} threads)")
-    for dtype in args.dtypes.split(","):
-        llm = LLM(model=args.model, dtype=dtype, multiprocess=False)
+    variants: dict[str, object] = {}
+    for dtype, quantization in itertools.product(args.dtypes, args.quantizations):
+        name = dtype if quantization == "none" else f"{dtype}, {quantization}"
+        try:
+            llm = LLM(
+                model=args.model,
+                dtype=dtype,
+                quantization=quantization,
+                native_kernels=args.native_kernels,
+                multiprocess=False,
+            )
+        except ValueError as e:
+            print(f"  {name:>16}: skipped: {e}")
+            continue
         runner = llm.llm_engine.engine_core.engine_core.model_runner  # type: ignore[attr-defined]
-        weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-        prompt = {"prompt_token_ids": list(range(100, 100 + args.input_len))}
-        llm.generate(prompt, SamplingParams(max_tokens=4), use_tqdm=False)
-        runs = []
-        for _ in range(3):
-            start = time.perf_counter()
-            llm.generate(prompt, params, use_tqdm=False)
-            runs.append(time.perf_counter() - start)
-        tok_s = args.output_len / statistics.median(runs)
-        achieved = weight_bytes * tok_s / 1e9
-        print(
-            f"  {dtype:>9}: {tok_s:6.1f} tok/s; weights {weight_bytes / 1e6:.0f} MB → {achieved:.1f} GB/s, "
-            f"{achieved / peak * 100:.0f}% of peak (roofline {peak * 1e9 / weight_bytes:.0f} tok/s)"
-        )
+        weight_bytes, formats = decode_weight_bytes(runner.model)
+        tok_s = decode_rate(llm, args)
         llm.shutdown()
+        achieved = weight_bytes * tok_s / 1e9
+        roofline = peak * 1e9 / weight_bytes
+        print(
+            f"  {name:>16}: {tok_s:6.1f} tok/s; reads {weight_bytes / 1e6:.0f} MB ({formats}) → "
+            f"{achieved:.1f} GB/s, {achieved / peak * 100:.0f}% of peak (roofline {roofline:.0f} tok/s)"
+        )
+        variants[name] = {
+            "tok_per_s": tok_s,
+            "weight_mb": weight_bytes / 1e6,
+            "formats": formats,
+            "achieved_gb_s": achieved,
+            "fraction_of_peak": achieved / peak,
+        }
+    return {"model": args.model, "peak_gb_s": peak, "dtypes": variants}
 
 
 def main() -> None:
@@ -126,16 +202,26 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--dtypes", default="float32")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--quantizations", nargs="+", default=["none", "fp16"], help="engine quantization")
+    parser.add_argument(
+        "--native-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--no-native-kernels: PyTorch ops only (no GGUF blocks read directly)",
+    )
     parser.add_argument("--only", choices=["async", "hop", "decode"])
+    add_json_arg(parser)
     args = parser.parse_args()
-    warn_if_busy()
+    load = warn_if_busy()
+    results: dict[str, object] = {"model": args.model}
     if args.only in (None, "async"):
-        asyncio.run(async_section(args))
+        results["async"] = asyncio.run(async_section(args))
     if args.only in (None, "hop"):
-        hop_section(args)
+        results["hop"] = hop_section(args)
     if args.only in (None, "decode"):
-        decode_section(args)
+        results["decode"] = decode_section(args)
+    write_results(args.json, "benchmarks.latency", results, load)
 
 
 if __name__ == "__main__":

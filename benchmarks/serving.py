@@ -1,30 +1,39 @@
-"""Serving benchmark: a fixed, seeded streaming load against any OpenAI-compatible server.
+"""Serving benchmark: a fixed, seeded streaming load at several concurrencies (1, 8 and 32 streams by
+default) against our OpenAI-compatible server and, with `--compare-llama-cpp`, against
+llama-cpp-python's server on the same GGUF, in one run.
 
-    python benchmarks/serving.py --base-url http://127.0.0.1:8000/v1 --num-prompts 16 --concurrency 8 \\
-        --input-len 64 --output-len 32 [--compare-llama-cpp [--gguf FILE]]
+    .venv/bin/python -m benchmarks.serving                       # starts `llmserve serve` itself
+    .venv/bin/python -m benchmarks.serving --compare-llama-cpp \\
+        --llama-cpp-python /work/peers/llamacpp/bin/python
+    .venv/bin/python -m benchmarks.serving --base-url http://127.0.0.1:8000/v1 --concurrency 8
 
-Prints time to first token (p50, p99), inter-token latency (p50 of the gaps between streamed chunks),
-output tokens/s and requests/s over the whole run. With `--compare-llama-cpp` it also starts
-llama-cpp-python's server (`python -m llama_cpp.server`) on the same GGUF, runs the same workload on
-it, and prints both and the ratio. Prompts are random common words, about one token each.
+Without --base-url it starts our server on a free port (and stops it before llama.cpp's starts, so the
+two never share the cores). At each concurrency C, C streams each send --requests-per-stream requests
+back to back (or --num-prompts in all). Per level it prints time to first token (p50, p99),
+inter-token latency (p50 of the gaps between streamed chunks), output tokens/s and requests/s, and our
+ratio to llama.cpp. Prompts are random common words, about one token each. llama-cpp-python's server
+runs one request at a time (its API holds a lock), so its TTFT grows with the queue; that is its
+behaviour under this load, not a fault here.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import random
-import socket
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 import numpy as np
+
+from benchmarks.machine import warn_if_busy
+from benchmarks.peers import engine_threads, gguf_of, interpreter_with
+from benchmarks.results import add_json_arg, write_results
+from benchmarks.servers import free_port, llama_cpp_command, llmserve_command, running
 
 # fmt: off
 WORDS = [
@@ -33,7 +42,7 @@ WORDS = [
     "house", "river", "music", "story", "water", "light", "city", "road", "tree", "paper", "table",
 ]
 # fmt: on
-STARTUP_TIMEOUT_S = 300.0
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 @dataclass(frozen=True)
@@ -152,52 +161,43 @@ async def run_workload(name: str, base_url: str, model: str, workload: Workload)
     return Report.of(name, list(results), duration)
 
 
+def run_levels(name: str, base_url: str, model: str, levels: list[Workload]) -> list[Report]:
+    return [asyncio.run(run_workload(name, base_url, model, workload)) for workload in levels]
+
+
 def discover_model(base_url: str) -> str:
     return str(httpx.get(f"{base_url}/models", timeout=30).json()["data"][0]["id"])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def ours(args: argparse.Namespace, levels: list[Workload]) -> tuple[str, list[Report]]:
+    """Against --base-url if given, else against a server we start and stop. Returns the model too."""
+    if args.base_url:
+        url = args.base_url.rstrip("/")
+        model = args.model or discover_model(url)
+        return model, run_levels("llmserve", url, model, levels)
+    port, model = free_port(), args.model or DEFAULT_MODEL
+    with running("llmserve", llmserve_command(model, port, args.dtype), port) as url:
+        return model, run_levels("llmserve", url, discover_model(url), levels)
 
 
-def start_llama_cpp(gguf: Path, port: int, context: int) -> subprocess.Popen[bytes]:
-    """llama-cpp-python's OpenAI server on `gguf`, once it answers /v1/models."""
-    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
-               "--port", str(port), "--n_ctx", str(context)]  # fmt: skip
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"llama_cpp.server did not start (exit code {proc.poll()}).")
-
-
-def gguf_of(model: str, explicit: str | None) -> Path:
-    if explicit is not None:
-        return Path(explicit)
-    from llmserve.model_executor.loader import resolve_model
-
-    source = resolve_model(model)
-    if source.format != "gguf":
-        raise SystemExit(f"{model} is not a GGUF model: pass --gguf FILE for llama.cpp.")
-    return source.path
+def llama_cpp(args: argparse.Namespace, model: str, levels: list[Workload]) -> list[Report] | None:
+    python = interpreter_with("llama_cpp", args.llama_cpp_python)
+    gguf = Path(args.gguf) if args.gguf else gguf_of(model)
+    if python is None or gguf is None:
+        why = "no GGUF (pass --gguf FILE)" if gguf is None else "llama-cpp-python is not installed"
+        print(f"no llama.cpp comparison: {why} (pass --llama-cpp-python PATH, with its [server] extra).")
+        return None
+    port, context = free_port(), 2 * (args.input_len + args.output_len) + 64  # words may be 2 tokens
+    with running(
+        "llama_cpp.server", llama_cpp_command(python, gguf, port, context, engine_threads()), port
+    ) as url:
+        return run_levels("llama.cpp", url, discover_model(url), levels)
 
 
 def print_reports(reports: list[Report]) -> None:
     names = [r.name for r in reports]
-    header = (
-        f"{'':18}"
-        + "".join(f"{n:>14}" for n in names)
-        + ("   ratio (first/second)" if len(reports) == 2 else "")
-    )
-    print(header)
+    ratio = "   ratio (first/second)" if len(reports) == 2 else ""
+    print(f"{'':18}" + "".join(f"{n:>14}" for n in names) + ratio)
     for key in reports[0].rows():
         values = [r.rows()[key] for r in reports]
         line = f"{key:18}" + "".join(f"{v:14.2f}" for v in values)
@@ -207,44 +207,44 @@ def print_reports(reports: list[Report]) -> None:
     print("completed/failed: " + ", ".join(f"{r.name} {r.completed}/{r.failed}" for r in reports))
 
 
-def compare_llama_cpp(args: argparse.Namespace, model: str, workload: Workload) -> Report | None:
-    if importlib.util.find_spec("llama_cpp") is None:
-        print("llama-cpp-python is not installed (pip install 'llama-cpp-python[server]'): no comparison.")
-        return None
-    gguf = gguf_of(model, args.gguf)
-    port = free_port()
-    proc = start_llama_cpp(gguf, port, args.input_len + args.output_len + 64)
-    try:
-        base_url = f"http://127.0.0.1:{port}/v1"
-        return asyncio.run(run_workload("llama.cpp", base_url, discover_model(base_url), workload))
-    finally:
-        proc.terminate()
-        proc.wait(30)
-
-
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    parser.add_argument("--model", default=None, help="(default: the first of the server's /models)")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--base-url", default=None, help="a running server (default: start llmserve)")
+    parser.add_argument("--model", default=None, help="to serve, or the server's first /models")
+    parser.add_argument("--dtype", default="auto", help="for the server this starts")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--requests-per-stream", type=int, default=4)
+    parser.add_argument("--num-prompts", type=int, default=None, help="per level, instead of the above")
+    parser.add_argument("--input-len", type=int, default=128, help="words (about one token each)")
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compare-llama-cpp", action="store_true")
+    parser.add_argument("--llama-cpp-python", default=None, help="interpreter with llama-cpp-python[server]")
     parser.add_argument("--gguf", default=None, help="the GGUF for llama.cpp (default: the served model's)")
-    args = parser.parse_args()
-    workload = Workload(args.num_prompts, args.concurrency, args.input_len, args.output_len, args.seed)
-    base_url = args.base_url.rstrip("/")
-    model = args.model or discover_model(base_url)
-    reports = [asyncio.run(run_workload("server", base_url, model, workload))]
-    if args.compare_llama_cpp:
-        theirs = compare_llama_cpp(args, model, workload)
-        reports += [theirs] if theirs is not None else []
-    print(f"{model}: {workload}")
-    print_reports(reports)
+    add_json_arg(parser)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    load = warn_if_busy()
+    levels = [
+        Workload(
+            args.num_prompts or c * args.requests_per_stream, c, args.input_len, args.output_len, args.seed
+        )
+        for c in args.concurrency
+    ]
+    model, mine = ours(args, levels)
+    theirs = llama_cpp(args, model, levels) if args.compare_llama_cpp else None
+    rows = []
+    for i, workload in enumerate(levels):
+        reports = [mine[i]] + ([theirs[i]] if theirs else [])
+        print(f"\n{workload}")
+        print_reports(reports)
+        rows.append({"workload": asdict(workload), "reports": [asdict(r) for r in reports]})
+    write_results(args.json, "benchmarks.serving", {"model": model, "levels": rows}, load)
 
 
 if __name__ == "__main__":

