@@ -15,7 +15,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
-Quantization = Literal["none", "fp16"]
+Quantization = Literal["none", "fp16", "int8", "int4"]
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,8 @@ class ModelConfig:
     seed: int = 0
     chat_template: str | None = None  # a Jinja template or a path to one; overrides the model's
     max_logprobs: int = 20  # the largest `logprobs` a request may ask for (-1: no limit)
-    quantization: Quantization = "none"  # fp16: weights stored in fp16, computed in fp32 (CPU)
+    # Weight-only, CPU fp32: fp16 (fbgemm), int8 / int4 (blocks of 32 with scales, our C kernel)
+    quantization: Quantization = "none"
     num_threads: int | None = None  # the engine core's compute threads; None: OMP_NUM_THREADS or all cores
     native_kernels: bool = True  # our C kernels (kernels/) on CPU in fp32, where they build; else PyTorch's
 
@@ -38,8 +39,8 @@ class ModelConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}.")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
-        if self.quantization not in ("none", "fp16"):
-            raise ValueError(f"quantization must be none or fp16, got {self.quantization!r}.")
+        if self.quantization not in ("none", "fp16", "int8", "int4"):
+            raise ValueError(f"quantization must be none, fp16, int8 or int4, got {self.quantization!r}.")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}.")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 
 import torch
 
@@ -16,8 +17,11 @@ from llmserve.model_executor.loader import ModelSource, iter_gguf_blocks, iter_w
 from llmserve.model_executor.logits_processors import apply_logits_processors, build_logits_metadata
 from llmserve.model_executor.models.llama import KVCache, LlamaForCausalLM
 from llmserve.model_executor.models.llama_config import LlamaConfig
+from llmserve.model_executor.quantization import BLOCK_TYPES, round_to_blocks
 from llmserve.model_executor.sampler import SamplingMetadata, gather_logprobs, sample
 from llmserve.scheduling.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 _PROMPT_LOGITS_ROWS = 1024  # prompt positions scored per logits matrix, which bounds its memory
 
@@ -42,9 +46,15 @@ class ModelRunner:
         model = model.to_empty(device=self.device).to(self.dtype)
         model.rotary.compute_tables()
         model.load_weights(iter_weights(source))
-        model.prepare_kernels(model_config.quantization)
-        if self.native and source.format == "gguf" and model_config.quantization == "none":
+        quantization = model_config.quantization
+        rounded = round_to_blocks(model, quantization) if quantization in BLOCK_TYPES else None
+        model.prepare_kernels(quantization)
+        if self.native and rounded is not None:
+            model.attach_blocks(rounded)
+        elif self.native and source.format == "gguf" and quantization == "none":
             model.attach_blocks(iter_gguf_blocks(source, {native.GGML_Q4_1, native.GGML_Q8_0}))
+        elif rounded is not None:
+            logger.warning("%s without native kernels: rounded weights at fp32 speed.", quantization)
         self.model = model.eval()
         self.kv_caches: list[KVCache] = []
         self.block_size = 0

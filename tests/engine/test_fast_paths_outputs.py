@@ -75,3 +75,26 @@ def _projection_names() -> list[str]:
     parts = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
     parts += ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
     return [f"model.layers.{i}.{part}.weight" for i in range(TINY_LAYERS) for part in parts]
+
+
+@pytest.mark.skipif(native.load_library() is None, reason="no C compiler here")
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_weight_only_quantization_is_the_same_at_every_batch_size(
+    tiny_llama_hf_dir: Path, quantization: str
+) -> None:
+    """Steps of up to 8 rows read the blocks, larger ones oneDNN over the same rounded weights."""
+    rng = random.Random(11)
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(3, VOCAB_SIZE) for _ in range(10 + 3 * i)]} for i in range(12)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    llm = make_llm(tiny_llama_hf_dir, quantization=quantization)
+    try:
+        model = core_of(llm).model_runner.model
+        assert all(isinstance(layer.self_attn.qkv_proj.kernel, BlockKernel) for layer in model.layers)
+        together = llm.generate(prompts, params, use_tqdm=False)  # decode steps of 12 rows
+        alone = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]  # steps of 1 row
+    finally:
+        llm.shutdown()
+    for a, b in zip(together, alone):
+        assert_same_greedy(a.outputs[0], b.outputs[0])

@@ -5,9 +5,10 @@
   AMD CPUs: measured here 2-4x slower than oneDNN with a packed weight at 8-64 rows.
 - `fp16`: weights stored in fp16, computed in fp32 (fbgemm). Decode is bandwidth-bound, so halving the
   weight bytes nearly halves a small batch's step (measured here: 2x at 1 row, 1.2x at 64 rows).
-  PyTorch's weight-only int8/int4 CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`)
-  measured 5-50x slower than fp32 here, and fbgemm's int8 dynamic linear (one activation scale per
-  call) drifts ~0.6-1.6 nats per token on SmolLM2, so neither is offered.
+  For int8/int4 see `quantization.py`: PyTorch's weight-only int8/int4 CPU kernels
+  (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) measured 5-50x slower than fp32 here, and
+  fbgemm's int8 dynamic linear (one activation scale per call) drifts ~0.6-1.6 nats per token on
+  SmolLM2, so neither is used.
 - GGUF blocks, for a few rows: a GGUF model's Q4_1/Q8_0 weights are kept as loaded too, and decode
   steps of up to `BLOCK_ROWS` rows read those (5 or 8.5 bits a weight, not 32) through our C kernel,
   which widens them to exactly the fp32 values the other kernels use (3.7x faster at 1 row here).

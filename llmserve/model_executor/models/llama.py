@@ -130,15 +130,16 @@ class LlamaForCausalLM(nn.Module):
         self.logits_kernel = make_kernel(self.lm_head_weight, None, quantization)
 
     def attach_blocks(self, blocks: Iterable[tuple[str, int, torch.Tensor]]) -> None:
-        """Give each projection whose checkpoint shards share one block type a `BlockKernel` over them
-        (see `layers/linear.py`); after `prepare_kernels`, whose kernels take the larger batches."""
+        """Give each projection whose blocks are given (fused, or as checkpoint shards sharing one block
+        type) a `BlockKernel` over them (see `layers/linear.py`); after `prepare_kernels`, whose kernels
+        take the larger batches."""
         by_name = {name.removeprefix("model."): (qtype, rows) for name, qtype, rows in blocks}
         for name, module in self.named_modules():
             if not isinstance(module, Linear) or module.kernel is None:
                 continue
             prefix, _, fragment = name.rpartition(".")
             shards = [fragment]
-            if fragment in ("qkv_proj", "gate_up_proj"):
+            if fragment in ("qkv_proj", "gate_up_proj") and f"{name}.weight" not in by_name:
                 shards = [part for part, (fused, _) in self.FUSED_SHARDS.items() if fused == fragment]
             found = [by_name.get(f"{prefix}.{shard}.weight") for shard in shards]
             if all(found) and len({qtype for qtype, _ in found}) == 1:  # type: ignore[misc]
