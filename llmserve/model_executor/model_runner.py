@@ -159,7 +159,8 @@ class ModelRunner:
         """Flat token ids and positions, attention metadata, and which rows sample at which token."""
         token_ids: list[int] = []
         positions: list[int] = []
-        slots: list[torch.Tensor] = []
+        decode_slots: list[int] = []
+        prefill_slots: list[torch.Tensor] = []
         prefills: list[PrefillChunk] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
@@ -171,23 +172,26 @@ class ModelRunner:
             end = start + sched.num_new_tokens
             token_ids.extend(sched.request.all_token_ids[start:end])
             positions.extend(range(start, end))
-            table = torch.tensor(sched.block_ids, dtype=torch.int64)
-            pos = torch.arange(start, end)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            if sched.num_new_tokens == 1:
+            if sched.num_new_tokens == 1:  # a decode: one slot, no tensor of its own
+                decode_slots.append(sched.block_ids[start // bs] * bs + start % bs)
                 decode_tables.append(sched.block_ids)
                 decode_lens.append(end)
             else:
+                table = torch.tensor(sched.block_ids, dtype=torch.int64)
+                pos = torch.arange(start, end)
+                prefill_slots.append(table[pos // bs] * bs + pos % bs)
                 query_start = len(positions) - sched.num_new_tokens
                 chunk = PrefillChunk(query_start, sched.num_new_tokens, start, table.to(self.device))
                 prefills.append(chunk)
             if sched.samples:
                 sample_rows.append(row)
                 last_tokens.append(len(positions) - 1)
+        # Decodes come first in the flat batch (see execute_model), so their slots do too.
+        slots = torch.cat([torch.tensor(decode_slots, dtype=torch.int64), *prefill_slots])
         width = max((len(t) for t in decode_tables), default=0)
         padded = [t + [0] * (width - len(t)) for t in decode_tables]
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(self.device),
+            slot_mapping=slots.to(self.device),
             num_decodes=len(decode_tables),
             decode_block_tables=torch.tensor(padded, dtype=torch.int64, device=self.device),
             decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int64, device=self.device),
