@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -14,8 +15,6 @@ from llmserve.model_executor.layers.linear import BlockKernel
 from tests.engine.greedy_compare import assert_same_greedy
 from tests.engine.test_llm_batching import core_of, make_llm
 from tests.fixtures.tiny_llama import VOCAB_SIZE, gguf_name, write_gguf
-
-TINY_LAYERS = 2  # tests/fixtures/tiny_llama.py
 
 
 @pytest.mark.skipif(native.load_library() is None, reason="no C compiler here")
@@ -42,7 +41,7 @@ def test_native_decode_attention_gives_the_torch_outputs(tiny_llama_hf_dir: Path
 @pytest.mark.skipif(native.load_library() is None, reason="no C compiler here")
 def test_gguf_block_kernels_give_the_torch_outputs(tiny_llama_hf_dir: Path, tmp_path: Path) -> None:
     """A GGUF whose projections are Q4_1 and output head Q8_0, decoded a few rows at a time from blocks."""
-    types = {gguf_name(name): GGMLQuantizationType.Q4_1 for name in _projection_names()}
+    types = {gguf_name(name): GGMLQuantizationType.Q4_1 for name in _projection_names(tiny_llama_hf_dir)}
     types["output.weight"] = GGMLQuantizationType.Q8_0
     path = write_gguf(tmp_path / "q4.gguf", tiny_llama_hf_dir, types=types)
     rng = random.Random(9)
@@ -72,10 +71,11 @@ def assert_same_outputs(fast: list[RequestOutput], plain: list[RequestOutput]) -
                 assert abs(entry.logprob - y[token].logprob) < 1e-4
 
 
-def _projection_names() -> list[str]:
+def _projection_names(hf_dir: Path) -> list[str]:
+    layers = json.loads((hf_dir / "config.json").read_text())["num_hidden_layers"]
     parts = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
     parts += ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
-    return [f"model.layers.{i}.{part}.weight" for i in range(TINY_LAYERS) for part in parts]
+    return [f"model.layers.{i}.{part}.weight" for i in range(layers) for part in parts]
 
 
 @pytest.mark.skipif(native.load_library() is None, reason="no C compiler here")
