@@ -40,7 +40,8 @@ def test_native_decode_attention_gives_the_torch_outputs(tiny_llama_hf_dir: Path
 
 @pytest.mark.skipif(native.load_library() is None, reason="no C compiler here")
 def test_gguf_block_kernels_give_the_torch_outputs(tiny_llama_hf_dir: Path, tmp_path: Path) -> None:
-    """A GGUF whose projections are Q4_1 and output head Q8_0, decoded a few rows at a time from blocks."""
+    """A GGUF whose projections are Q4_1 and output head Q8_0, decoded a few rows at a time from blocks,
+    through every layer in one C call."""
     types = {gguf_name(name): GGMLQuantizationType.Q4_1 for name in _projection_names(tiny_llama_hf_dir)}
     types["output.weight"] = GGMLQuantizationType.Q8_0
     path = write_gguf(tmp_path / "q4.gguf", tiny_llama_hf_dir, types=types)
@@ -56,6 +57,7 @@ def test_gguf_block_kernels_give_the_torch_outputs(tiny_llama_hf_dir: Path, tmp_
             model = core_of(llm).model_runner.model
             kernels = [layer.mlp.down_proj.kernel for layer in model.layers] + [model.logits_kernel]
             assert all(isinstance(k, BlockKernel) for k in kernels) == native_kernels
+            assert (model.native_decoder is not None) == native_kernels  # decode steps of <= 4 rows in C
             results[native_kernels] = llm.generate(prompts, params, use_tqdm=False)
         finally:
             llm.shutdown()

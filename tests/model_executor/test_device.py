@@ -20,4 +20,3 @@ def test_auto_is_bf16_on_cpus_with_amx() -> None:
 def test_an_explicit_dtype_wins() -> None:
     assert resolve_dtype("float16", CPU, {"amx_bf16"}) == torch.float16
     assert resolve_dtype("float32", CPU, {"amx_bf16"}) == torch.float32
-

@@ -18,9 +18,9 @@
 #define USE_AVX2 1
 #endif
 
-#define QK 32
-#define MAX_ROWS 16
-enum { Q4_1 = 3, Q8_0 = 8 }; /* GGML type ids */
+#include "kernels.h"
+
+#define MAX_ROWS BLOCK_GEMV_MAX_ROWS
 
 #ifndef USE_AVX2
 static float half_to_float(uint16_t h)
@@ -63,9 +63,27 @@ static void unpack(const uint8_t *block, int qtype, float *q)
 }
 #endif
 
-static void gemv_row(const float *x, const float *xsum, int64_t rows, int64_t in, const uint8_t *w,
-                     int64_t block_bytes, int qtype, float *acc)
+int64_t block_bytes(int qtype)
 {
+    return qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : 0;
+}
+
+void block_sums(const float *x, int64_t rows, int64_t in, float *xsum)
+{
+    const int64_t nblocks = in / QK;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < nblocks; b++) {
+            float s = 0.0f;
+            for (int j = 0; j < QK; j++)
+                s += x[r * in + b * QK + j];
+            xsum[r * nblocks + b] = s;
+        }
+}
+
+void block_gemv_row(const float *x, const float *xsum, int64_t rows, int64_t in, const uint8_t *w, int qtype,
+                    float *acc)
+{
+    const int64_t stride = block_bytes(qtype);
     const int64_t nblocks = in / QK;
     float msum[MAX_ROWS] = {0};
 #ifdef USE_AVX2
@@ -79,7 +97,7 @@ static void gemv_row(const float *x, const float *xsum, int64_t rows, int64_t in
     float sacc[MAX_ROWS] = {0};
 #endif
     for (int64_t b = 0; b < nblocks; b++) {
-        const uint8_t *block = w + b * block_bytes;
+        const uint8_t *block = w + b * stride;
         uint16_t dh, mh = 0;
         memcpy(&dh, block, 2);
         if (qtype == Q4_1)
@@ -161,21 +179,15 @@ int block_gemv(const float *x, int64_t rows, int64_t in, const uint8_t *w, int64
 {
     if ((qtype != Q4_1 && qtype != Q8_0) || rows < 1 || rows > MAX_ROWS || in % QK != 0)
         return -1;
-    const int64_t nblocks = in / QK, block_bytes = qtype == Q4_1 ? 20 : 34;
-    float *xsum = malloc(sizeof(float) * rows * nblocks); /* per-block sums of x: the m terms */
+    const int64_t row_bytes = in / QK * block_bytes(qtype);
+    float *xsum = malloc(sizeof(float) * rows * (in / QK)); /* per-block sums of x: the m terms */
     if (xsum == NULL)
         return -2;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t b = 0; b < nblocks; b++) {
-            float s = 0.0f;
-            for (int j = 0; j < QK; j++)
-                s += x[r * in + b * QK + j];
-            xsum[r * nblocks + b] = s;
-        }
+    block_sums(x, rows, in, xsum);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t o = 0; o < out; o++) {
         float acc[MAX_ROWS];
-        gemv_row(x, xsum, rows, in, w + o * nblocks * block_bytes, block_bytes, qtype, acc);
+        block_gemv_row(x, xsum, rows, in, w + o * row_bytes, qtype, acc);
         for (int64_t r = 0; r < rows; r++)
             y[r * out + o] = acc[r];
     }

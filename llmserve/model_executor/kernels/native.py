@@ -6,6 +6,7 @@ cache key includes the CPU's flags. Without a compiler the callers keep the PyTo
 
 - `paged_attention.c`: decode attention reading the paged KV cache in place.
 - `block_gemv.c`: a few rows times a weight kept in its GGUF blocks (Q4_1, Q8_0).
+- `decoder_step.c`: a decode step of a few sequences through every decoder layer, from those two.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = sorted(Path(__file__).parent.glob("*.c"))
+_HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -47,6 +49,9 @@ def load_library() -> ctypes.CDLL | None:
     library.paged_decode_attention.restype = ctypes.c_int
     library.block_gemv.argtypes = [_PTR, _I64, _I64, _PTR, _I64, ctypes.c_int, _PTR, ctypes.c_int]
     library.block_gemv.restype = ctypes.c_int
+    spec, i64, ptr = ctypes.POINTER(DecoderSpec), _I64, _PTR
+    library.decoder_step.argtypes = [spec, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int]
+    library.decoder_step.restype = ctypes.c_int
     return library
 
 
@@ -54,7 +59,7 @@ def _build() -> Path:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (set CC)")
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES))
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS))
     key.update(" ".join([compiler, *_FLAGS]).encode() + _cpu_flags())
     target = cache_dir() / f"llmserve_kernels-{key.hexdigest()[:16]}.so"
     if not target.exists():
@@ -132,3 +137,66 @@ def block_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: 
             f"block_gemv cannot take x {tuple(x.shape)} with block type {qtype} (status {status})."
         )
     return y
+
+
+class Projection(ctypes.Structure):
+    _fields_ = [("blocks", _PTR), ("bias", _PTR), ("qtype", _I64)]
+
+
+class LayerSpec(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _PTR),
+        ("post_norm", _PTR),
+        ("qkv", Projection),
+        ("o", Projection),
+        ("gate_up", Projection),
+        ("down", Projection),
+        ("k_cache", _PTR),
+        ("v_cache", _PTR),
+    ]
+
+
+class DecoderSpec(ctypes.Structure):
+    """decoder_step.c's view of a model: its shapes and the addresses of its weights and KV cache. The
+    tensors behind the addresses must outlive it."""
+
+    _fields_ = [
+        *((name, _I64) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim")),
+        *((name, _I64) for name in ("intermediate", "num_blocks", "block_size")),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("layers", ctypes.POINTER(LayerSpec)),
+        ("rope_cos", _PTR),
+        ("rope_sin", _PTR),
+        ("final_norm", _PTR),
+    ]
+
+
+def decoder_step(
+    spec: DecoderSpec,
+    x: torch.Tensor,  # [rows, hidden] fp32, the embedded tokens; overwritten
+    positions: torch.Tensor,  # [rows] int64
+    slots: torch.Tensor,  # [rows] int64
+    block_tables: torch.Tensor,  # [rows, max_blocks] int64
+    seq_lens: torch.Tensor,  # [rows] int64, including the new token
+) -> torch.Tensor:
+    """Hidden states [rows, hidden] after the final norm; writes each layer's new K and V to the cache."""
+    library = load_library()
+    assert library is not None, "check load_library() first"
+    assert x.is_contiguous() and block_tables.is_contiguous()
+    out = torch.empty_like(x)
+    status = library.decoder_step(
+        ctypes.byref(spec),
+        x.data_ptr(),
+        positions.data_ptr(),
+        slots.data_ptr(),
+        block_tables.data_ptr(),
+        seq_lens.data_ptr(),
+        x.shape[0],
+        block_tables.shape[1],
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(f"decoder_step cannot take {x.shape[0]} rows of this model (status {status}).")
+    return out

@@ -5,7 +5,7 @@
  * attention). The PyTorch path instead gathers the blocks into a padded copy and reads that copy:
  * three passes over the cache where this makes one.
  *
- * Compiled at run time by cpu_kernels.py with -O3 -march=native -fopenmp; it then shares the OpenMP
+ * Compiled at run time by native.py with -O3 -march=native -fopenmp; it then shares the OpenMP
  * runtime PyTorch already loaded (same soname), so the threads are PyTorch's.
  */
 #include <math.h>
@@ -13,7 +13,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-static void attend_one(
+#include "kernels.h"
+
+void attend_one(
     const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t len,
     float *out, int64_t group, int64_t head_dim, int64_t block_size, int64_t head_stride, float scale,
     float *scores)

@@ -18,6 +18,7 @@ from llmserve.model_executor.layers.layernorm import RMSNorm
 from llmserve.model_executor.layers.linear import BlockKernel, Linear, LinearKernel, make_kernel
 from llmserve.model_executor.layers.rotary_embedding import RopeAngles, RotaryEmbedding, apply_rope
 from llmserve.model_executor.models.llama_config import LlamaConfig
+from llmserve.model_executor.models.native_decoder import NativeDecoder
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [kv_heads, num_blocks, block_size, head_dim]
 
@@ -98,6 +99,7 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.logits_kernel: LinearKernel | None = None
+        self.native_decoder: NativeDecoder | None = None  # small decode steps, after attach_blocks
 
     def forward(
         self,
@@ -108,6 +110,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden_size] after the final norm."""
         x = self.embed_tokens(input_ids)
+        if self.native_decoder is not None and self.native_decoder.accepts(meta):
+            return self.native_decoder(x, positions, kv_caches, meta)
         rope = self.rotary(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(rope, x, kv_cache, meta)
@@ -132,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
     def attach_blocks(self, blocks: Iterable[tuple[str, int, torch.Tensor]]) -> None:
         """Give each projection whose blocks are given (fused, or as checkpoint shards sharing one block
         type) a `BlockKernel` over them (see `layers/linear.py`); after `prepare_kernels`, whose kernels
-        take the larger batches."""
+        take the larger batches. When every projection has one, small decode steps run in C."""
         by_name = {name.removeprefix("model."): (qtype, rows) for name, qtype, rows in blocks}
         for name, module in self.named_modules():
             if not isinstance(module, Linear) or module.kernel is None:
@@ -150,6 +154,8 @@ class LlamaForCausalLM(nn.Module):
         if head is not None and self.logits_kernel is not None:
             qtype, rows = head
             self.logits_kernel = BlockKernel(rows, qtype, self.config.vocab_size, None, self.logits_kernel)
+        if NativeDecoder.applies_to(self):
+            self.native_decoder = NativeDecoder(self)
 
     def shard_sizes(self, fused: str) -> list[int]:
         c = self.config

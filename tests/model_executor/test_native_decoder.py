@@ -1,0 +1,118 @@
+"""A decode step through `decoder_step.c` computes what the PyTorch layers compute, cache writes included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve.model_executor.attention import AttentionMetadata
+from llmserve.model_executor.kernels import native
+from llmserve.model_executor.layers.linear import BLOCK_ROWS, BlockKernel
+from llmserve.model_executor.models.llama import KVCache, LlamaForCausalLM
+from llmserve.model_executor.models.llama_config import LlamaConfig
+from llmserve.model_executor.models.native_decoder import NativeDecoder
+from llmserve.model_executor.quantization import round_to_blocks
+
+pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler here")
+
+BLOCK_SIZE, NUM_BLOCKS = 4, 40
+
+
+def block_model(attention_bias: bool, quantization: str) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        architecture="Qwen2ForCausalLM" if attention_bias else "LlamaForCausalLM",
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        attention_bias=attention_bias,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):  # not all ones, so a norm weight mixed up would show
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                param.normal_(0, 0.5)
+    rounded = round_to_blocks(model, quantization)  # as the model runner does it
+    model.prepare_kernels(quantization)  # type: ignore[arg-type]
+    model.attach_blocks(rounded)
+    return model.eval()
+
+
+def decode_metadata(lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
+    """One new token per sequence, at position len - 1 of its block table."""
+    slots = [
+        int(tables[row, (n - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
+        for row, n in enumerate(lens)
+    ]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        num_decodes=len(lens),
+        decode_block_tables=tables,
+        decode_seq_lens=torch.tensor(lens),
+        decode_max_len=max(lens),
+        prefills=[],
+        native_decode=True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("rows", "attention_bias", "quantization"),
+    [(1, False, "int4"), (3, True, "int8"), (BLOCK_ROWS, False, "int8")],
+)
+def test_native_decoder_matches_the_torch_layers(rows: int, attention_bias: bool, quantization: str) -> None:
+    model = block_model(attention_bias, quantization)
+    assert model.native_decoder is not None
+    c = model.config
+    gen = torch.Generator().manual_seed(rows)
+    shape = (c.num_key_value_heads, NUM_BLOCKS, BLOCK_SIZE, c.head_dim)
+    caches: list[KVCache] = [
+        (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in model.layers
+    ]
+    lens = [int(n) for n in torch.randint(1, 9 * BLOCK_SIZE, (rows,), generator=gen)]
+    lens[0] = 1  # a first token attends only to itself
+    tables = torch.stack([torch.randperm(NUM_BLOCKS, generator=gen)[:9] for _ in range(rows)])
+    meta = decode_metadata(lens, tables)
+    ids = torch.randint(0, c.vocab_size, (rows,), generator=gen)
+    positions = torch.tensor(lens) - 1
+    plain_caches = [(k.clone(), v.clone()) for k, v in caches]
+
+    with torch.inference_mode():
+        fast = model(ids, positions, caches, meta)
+        fused, model.native_decoder = model.native_decoder, None
+        plain = model(ids, positions, plain_caches, meta)
+        model.native_decoder = fused
+
+    torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-4)
+    for (k, v), (pk, pv) in zip(caches, plain_caches):
+        torch.testing.assert_close(k, pk, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, pv, rtol=1e-5, atol=1e-5)
+
+
+def test_larger_and_mixed_steps_keep_the_torch_path() -> None:
+    decoder = block_model(False, "int8").native_decoder
+    assert decoder is not None
+    tables = torch.zeros(BLOCK_ROWS + 1, 2, dtype=torch.int64)
+    assert decoder.accepts(decode_metadata([1] * BLOCK_ROWS, tables[:BLOCK_ROWS]))
+    assert not decoder.accepts(decode_metadata([1] * (BLOCK_ROWS + 1), tables))
+    meta = decode_metadata([1], tables[:1])
+    meta.native_decode = False
+    assert not decoder.accepts(meta)
+
+
+def test_only_a_model_read_wholly_from_blocks_gets_one() -> None:
+    model = block_model(False, "int8")
+    assert NativeDecoder.applies_to(model)
+    down = model.layers[1].mlp.down_proj
+    assert isinstance(down.kernel, BlockKernel)
+    down.kernel = down.kernel.large  # one projection back on oneDNN
+    assert not NativeDecoder.applies_to(model)
