@@ -27,7 +27,8 @@ class ModelConfig:
     seed: int = 0
     chat_template: str | None = None  # a Jinja template or a path to one; overrides the model's
     max_logprobs: int = 20  # the largest `logprobs` a request may ask for (-1: no limit)
-    # Weight-only, CPU fp32: fp16 (fbgemm), int8 / int4 (blocks of 32 with scales, our C kernel)
+    # CPU fp32: fp16 weights (fbgemm); int8 / int4 weights in blocks of 32 with scales and activations
+    # rounded to int8 per block of 32 (our C kernels; see quantization.py)
     quantization: Quantization = "none"
     num_threads: int | None = None  # the engine core's compute threads; None: OMP_NUM_THREADS or all cores
     native_kernels: bool = True  # our C kernels (kernels/) on CPU in fp32, where they build; else PyTorch's

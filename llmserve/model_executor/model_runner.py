@@ -50,7 +50,7 @@ class ModelRunner:
         rounded = round_to_blocks(model, quantization) if quantization in BLOCK_TYPES else None
         model.prepare_kernels(quantization)
         if self.native and rounded is not None:
-            model.attach_blocks(rounded)
+            model.attach_blocks(rounded, int8_activations=True)
         elif self.native and source.format == "gguf" and quantization == "none":
             model.attach_blocks(iter_gguf_blocks(source, {native.GGML_Q4_1, native.GGML_Q8_0}))
         elif rounded is not None:

@@ -1,10 +1,11 @@
-"""Weight-only int8 and int4 (`--quantization int8|int4`), rounded at load into GGUF's block formats.
+"""int8 and int4 (`--quantization int8|int4`): weights rounded at load into GGUF's block formats.
 
 Each projection and the output head become blocks of 32 weights: Q8_0 (int8 values, one scale) or
-Q4_1 (4-bit values, a scale and a minimum): the formats `kernels/block_gemv.c` reads, so small decode
-batches stream a quarter (int8) or a sixth (int4) of fp32's bytes. The fp32 weights are overwritten
-with the blocks' values, so larger batches, which keep oneDNN, compute with the same rounded weights:
-outputs do not depend on the batch size.
+Q4_1 (4-bit values, a scale and a minimum): the formats our C kernels read, so small decode batches
+stream a quarter (int8) or a sixth (int4) of fp32's bytes. The fp32 weights are overwritten with the
+blocks' values, so larger batches, which keep oneDNN, compute with the same rounded weights. With the
+C kernels the activations are rounded to int8 per block of 32 too (`kernels/block_q8.c`, and
+`layers/linear.round_activations` for the larger batches): outputs do not depend on the batch size.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Weight-only quantization on the real model: its logprobs drift from fp32 on the checks' prompts."""
+"""Quantization on the real model: its logprobs drift from fp32 on the checks' prompts."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from llmserve import LLM, SamplingParams
 from tests.e2e.conftest import PROMPTS
 
 # Measured on SmolLM2-135M (whose GGUF weights are Q4_1 already): mean and largest |Δ logprob| of the
-# prompt tokens against fp32: fp16 0.0013 / 0.010, int8 0.036 / 0.26, int4 0.20 / 1.6 (int8 and int4 round
-# those weights again, into blocks of 32).
-BOUNDS = {"fp16": (0.01, 0.05), "int8": (0.05, 0.5), "int4": (0.5, 5.0)}
+# prompt tokens against fp32: fp16 0.0013 / 0.010, int8 0.061 / 0.50, int4 0.21 / 2.1 (int8 and int4 round
+# those weights again, into blocks of 32, and the activations to int8 per block of 32; weights alone
+# gave int8 0.036 / 0.26, int4 0.20 / 1.6).
+BOUNDS = {"fp16": (0.01, 0.05), "int8": (0.1, 1.0), "int4": (0.5, 5.0)}
 
 
 @pytest.mark.parametrize("quantization", ["fp16", "int8", "int4"])

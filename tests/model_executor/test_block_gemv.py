@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from llmserve.model_executor.kernels import native
-from llmserve.model_executor.layers.linear import BLOCK_ROWS, BlockKernel
+from llmserve.model_executor.layers.linear import BLOCK_ROWS, BlockKernel, round_activations
 
 pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler here")
 
@@ -25,6 +25,29 @@ def test_block_gemv_matches_dequantized_weights(qtype: Q, rows: int) -> None:
     expected = x @ torch.from_numpy(dequantize(blocks, qtype)).T
     actual = native.block_gemv(x, torch.from_numpy(blocks), int(qtype), 96)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int8_activations_are_rounded_as_round_activations_rounds_them(qtype: Q, rows: int) -> None:
+    rng = np.random.default_rng(rows + 7)
+    weight = rng.standard_normal((64, 256)).astype(np.float32)
+    blocks = quantize(weight, qtype)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)) * 3
+    x[0, 32:64] = 0.0  # a block of zeros: scale 0
+    rounded = round_activations(x)
+    assert not torch.equal(rounded, x)
+    expected = rounded @ torch.from_numpy(dequantize(blocks, qtype)).T
+    actual = native.block_gemv(x, torch.from_numpy(blocks), int(qtype), 64, int8_activations=True)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_round_activations_keeps_int8_steps_per_block() -> None:
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(3))
+    blocks = x.reshape(3, 3, 32)
+    steps = round_activations(x).reshape(3, 3, 32) / (blocks.abs().amax(-1, keepdim=True) / 127)
+    torch.testing.assert_close(steps, steps.round(), rtol=0, atol=1e-4)
+    torch.testing.assert_close(steps.abs().amax(-1), torch.full((3, 3), 127.0))  # the block's largest
 
 
 def test_block_gemv_refuses_what_it_cannot_read() -> None:

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C comp
 BLOCK_SIZE, NUM_BLOCKS = 4, 40
 
 
-def block_model(attention_bias: bool, quantization: str) -> LlamaForCausalLM:
+def block_model(attention_bias: bool, quantization: str, int8_activations: bool = False) -> LlamaForCausalLM:
     config = LlamaConfig(
         architecture="Qwen2ForCausalLM" if attention_bias else "LlamaForCausalLM",
         vocab_size=96,
@@ -44,7 +44,7 @@ def block_model(attention_bias: bool, quantization: str) -> LlamaForCausalLM:
                 param.normal_(0, 0.5)
     rounded = round_to_blocks(model, quantization)  # as the model runner does it
     model.prepare_kernels(quantization)  # type: ignore[arg-type]
-    model.attach_blocks(rounded)
+    model.attach_blocks(rounded, int8_activations)
     return model.eval()
 
 
@@ -66,11 +66,19 @@ def decode_metadata(lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
 
 
 @pytest.mark.parametrize(
-    ("rows", "attention_bias", "quantization"),
-    [(1, False, "int4"), (3, True, "int8"), (BLOCK_ROWS, False, "int8")],
+    ("rows", "attention_bias", "quantization", "int8_activations"),
+    [
+        (1, False, "int4", False),
+        (3, True, "int8", False),
+        (BLOCK_ROWS, False, "int8", False),
+        (1, False, "int4", True),
+        (5, True, "int8", True),
+    ],
 )
-def test_native_decoder_matches_the_torch_layers(rows: int, attention_bias: bool, quantization: str) -> None:
-    model = block_model(attention_bias, quantization)
+def test_native_decoder_matches_the_torch_layers(
+    rows: int, attention_bias: bool, quantization: str, int8_activations: bool
+) -> None:
+    model = block_model(attention_bias, quantization, int8_activations)
     assert model.native_decoder is not None
     c = model.config
     gen = torch.Generator().manual_seed(rows)
@@ -116,3 +124,6 @@ def test_only_a_model_read_wholly_from_blocks_gets_one() -> None:
     assert isinstance(down.kernel, BlockKernel)
     down.kernel = down.kernel.large  # one projection back on oneDNN
     assert not NativeDecoder.applies_to(model)
+    model = block_model(False, "int8")
+    model.layers[0].mlp.down_proj.kernel.int8_activations = True  # type: ignore[union-attr]
+    assert not NativeDecoder.applies_to(model)  # activations rounded in one projection only

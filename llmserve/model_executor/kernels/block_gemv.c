@@ -3,7 +3,8 @@
  * Decoding a few sequences is bound by the bytes of weights read per step: Q4_1 is 5 bits a weight
  * and Q8_0 8.5, against fp32's 32. Each block is widened to fp32 in registers and multiplied with
  * fp32 activations (no activation quantization, unlike llama.cpp), so the products are those of the
- * dequantized fp32 weights the rest of the engine uses; only the summation order differs.
+ * dequantized fp32 weights the rest of the engine uses; only the summation order differs. With int8
+ * activations (`--quantization int8|int4`) the rows go to block_q8.c instead.
  *
  * Q4_1 block (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles; weight j < 16 is the low nibble of byte
  * j, weight j + 16 its high nibble; value d * q + m. Q8_0 block (34 bytes): fp16 d, 32 int8; d * q.
@@ -68,84 +69,151 @@ int64_t block_bytes(int qtype)
     return qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : 0;
 }
 
-void block_sums(const float *x, int64_t rows, int64_t in, float *xsum)
+void block_sums(const float *x, int64_t rows, int64_t in, float *sums)
 {
-    const int64_t nblocks = in / QK;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t b = 0; b < nblocks; b++) {
-            float s = 0.0f;
-            for (int j = 0; j < QK; j++)
-                s += x[r * in + b * QK + j];
-            xsum[r * nblocks + b] = s;
-        }
+    for (int64_t blk = 0; blk < rows * in / QK; blk++) {
+        float s = 0.0f;
+        for (int j = 0; j < QK; j++)
+            s += x[blk * QK + j];
+        sums[blk] = s;
+    }
 }
 
-void block_gemv_row(const float *x, const float *xsum, int64_t rows, int64_t in, const uint8_t *w, int qtype,
-                    float *acc)
+void prepare_input(BlockInput *in, float *sums, int8_t *q, float *scales)
 {
-    const int64_t stride = block_bytes(qtype);
-    const int64_t nblocks = in / QK;
-    float msum[MAX_ROWS] = {0};
+    in->sums = sums;
+    in->q = q;
+    in->scales = scales;
+    if (q != NULL)
+        quantize_rows(in->x, in->rows, in->in, q, scales, sums);
+    else
+        block_sums(in->x, in->rows, in->in, sums);
+}
+
 #ifdef USE_AVX2
-    /* One row keeps four FMA chains in registers (else each block waits on one chain's latency);
-     * several rows are independent chains already. */
-    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float half(const uint8_t *p)
+{
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+INLINE float hsum(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(s);
+}
+
+/* The block's 32 quantized values as floats (q, without d and m), eight to a vector. */
+INLINE void widen(const uint8_t *block, int qtype, __m256 q[4])
+{
+    __m128i a, c;
+    if (qtype == Q4_1) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 4)), mask = _mm_set1_epi8(0x0f);
+        a = _mm_and_si128(bytes, mask);
+        c = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+        q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(a));
+        q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(a, a)));
+        q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c));
+        q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(c, c)));
+    } else {
+        a = _mm_loadu_si128((const __m128i *)(block + 2));
+        c = _mm_loadu_si128((const __m128i *)(block + 18));
+        q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
+        q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(a, a)));
+        q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
+        q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(c, c)));
+    }
+}
+
+/* q . x over one block: the scale d multiplies the block's sum once, not each weight. */
+INLINE __m256 block_dot(const __m256 q[4], const float *xb)
+{
+    __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
+    t = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), t);
+    t = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), t);
+    return _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), t);
+}
+
+/* One row of x against one output row of blocks: the decode of a single sequence. Two accumulators
+ * alternate so that no block waits on the previous one's sum. */
+INLINE float dot_one(const float *x, const float *xsum, int64_t nblocks, const uint8_t *w, int qtype)
+{
+    const int64_t stride = qtype == Q4_1 ? 20 : 34;
+    __m256 even = _mm256_setzero_ps(), odd = even;
+    float msum = 0.0f;
+    for (int64_t b = 0; b < nblocks; b++) {
+        const uint8_t *block = w + b * stride;
+        __m256 q[4];
+        widen(block, qtype, q);
+        const __m256 t = block_dot(q, x + b * QK), d = _mm256_set1_ps(half(block));
+        if (b & 1)
+            odd = _mm256_fmadd_ps(t, d, odd);
+        else
+            even = _mm256_fmadd_ps(t, d, even);
+        if (qtype == Q4_1)
+            msum += half(block + 2) * xsum[b];
+    }
+    return hsum(_mm256_add_ps(even, odd)) + msum;
+}
+
+/* Several rows: each block is widened once for all of them. */
+INLINE void dot_rows(const float *x, const float *xsum, int64_t rows, int64_t in, const uint8_t *w, int qtype,
+                     float *acc)
+{
+    const int64_t stride = qtype == Q4_1 ? 20 : 34, nblocks = in / QK;
     __m256 vacc[MAX_ROWS];
+    float msum[MAX_ROWS] = {0};
     for (int64_t r = 0; r < rows; r++)
-        vacc[r] = c0;
+        vacc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nblocks; b++) {
+        const uint8_t *block = w + b * stride;
+        __m256 q[4];
+        widen(block, qtype, q);
+        const __m256 d = _mm256_set1_ps(half(block));
+        const float m = qtype == Q4_1 ? half(block + 2) : 0.0f;
+        for (int64_t r = 0; r < rows; r++) {
+            vacc[r] = _mm256_fmadd_ps(block_dot(q, x + r * in + b * QK), d, vacc[r]);
+            msum[r] += m * xsum[r * nblocks + b];
+        }
+    }
+    for (int64_t r = 0; r < rows; r++)
+        acc[r] = hsum(vacc[r]) + msum[r];
+}
+
+void block_gemv_row(const BlockInput *in, const uint8_t *w, int qtype, float *acc)
+{
+    const float *x = in->x, *xsum = in->sums;
+    const int64_t rows = in->rows, n = in->in;
+    if (in->q != NULL)
+        q8_dot_rows(in, w, qtype, acc);
+    else if (rows == 1)
+        acc[0] = qtype == Q4_1 ? dot_one(x, xsum, n / QK, w, Q4_1) : dot_one(x, xsum, n / QK, w, Q8_0);
+    else if (qtype == Q4_1)
+        dot_rows(x, xsum, rows, n, w, Q4_1, acc);
+    else
+        dot_rows(x, xsum, rows, n, w, Q8_0, acc);
+}
 #else
-    float sacc[MAX_ROWS] = {0};
-#endif
+void block_gemv_row(const BlockInput *input, const uint8_t *w, int qtype, float *acc)
+{
+    if (input->q != NULL) {
+        q8_dot_rows(input, w, qtype, acc);
+        return;
+    }
+    const float *x = input->x, *xsum = input->sums;
+    const int64_t rows = input->rows, in = input->in, stride = block_bytes(qtype), nblocks = in / QK;
+    float sacc[MAX_ROWS] = {0}, msum[MAX_ROWS] = {0};
     for (int64_t b = 0; b < nblocks; b++) {
         const uint8_t *block = w + b * stride;
         uint16_t dh, mh = 0;
         memcpy(&dh, block, 2);
         if (qtype == Q4_1)
             memcpy(&mh, block + 2, 2);
-#ifdef USE_AVX2
-        __m256 q0, q1, q2, q3;
-        if (qtype == Q4_1) {
-            const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 4));
-            const __m128i mask = _mm_set1_epi8(0x0f);
-            const __m128i lo = _mm_and_si128(bytes, mask);
-            const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-            q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-            q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-            q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-            q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-        } else {
-            const __m128i a = _mm_loadu_si128((const __m128i *)(block + 2));
-            const __m128i c = _mm_loadu_si128((const __m128i *)(block + 18));
-            q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
-            q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
-            q2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
-            q3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)));
-        }
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss(dh));
-        const float m = qtype == Q4_1 ? _cvtsh_ss(mh) : 0.0f;
-        q0 = _mm256_mul_ps(q0, d);
-        q1 = _mm256_mul_ps(q1, d);
-        q2 = _mm256_mul_ps(q2, d);
-        q3 = _mm256_mul_ps(q3, d);
-        if (rows == 1) {
-            const float *xb = x + b * QK;
-            c0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(xb), c0);
-            c1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xb + 8), c1);
-            c2 = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xb + 16), c2);
-            c3 = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xb + 24), c3);
-            msum[0] += m * xsum[b];
-            continue;
-        }
-        for (int64_t r = 0; r < rows; r++) {
-            const float *xb = x + r * in + b * QK;
-            __m256 t = _mm256_mul_ps(q0, _mm256_loadu_ps(xb));
-            t = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xb + 8), t);
-            t = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xb + 16), t);
-            t = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xb + 24), t);
-            vacc[r] = _mm256_add_ps(vacc[r], t);
-            msum[r] += m * xsum[r * nblocks + b];
-        }
-#else
         float q[QK];
         unpack(block, qtype, q);
         const float d = half_to_float(dh), m = qtype == Q4_1 ? half_to_float(mh) : 0.0f;
@@ -157,40 +225,36 @@ void block_gemv_row(const float *x, const float *xsum, int64_t rows, int64_t in,
             sacc[r] += d * t;
             msum[r] += m * xsum[r * nblocks + b];
         }
-#endif
     }
-    for (int64_t r = 0; r < rows; r++) {
-#ifdef USE_AVX2
-        const __m256 v = rows == 1 ? _mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)) : vacc[r];
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        s = _mm_hadd_ps(s, s);
-        s = _mm_hadd_ps(s, s);
-        acc[r] = _mm_cvtss_f32(s) + msum[r];
-#else
+    for (int64_t r = 0; r < rows; r++)
         acc[r] = sacc[r] + msum[r];
-#endif
-    }
 }
+#endif
 
-/* x: [rows, in] fp32 (rows <= MAX_ROWS, in a multiple of 32); w: [out, in / 32] blocks; y: [rows, out].
- * Returns 0, or -1 for an unsupported type or shape, -2 when out of memory. */
+/* x: [rows, in] fp32 (rows <= MAX_ROWS, in a multiple of 32); w: [out, in / 32] blocks; y: [rows, out];
+ * int8_activations: round x as block_q8.c does. Returns 0, -1 for an unsupported type or shape, -2 when
+ * out of memory. */
 int block_gemv(const float *x, int64_t rows, int64_t in, const uint8_t *w, int64_t out, int qtype,
-               float *y, int num_threads)
+               int int8_activations, float *y, int num_threads)
 {
     if ((qtype != Q4_1 && qtype != Q8_0) || rows < 1 || rows > MAX_ROWS || in % QK != 0)
         return -1;
-    const int64_t row_bytes = in / QK * block_bytes(qtype);
-    float *xsum = malloc(sizeof(float) * rows * (in / QK)); /* per-block sums of x: the m terms */
-    if (xsum == NULL)
-        return -2;
-    block_sums(x, rows, in, xsum);
+    const int64_t row_bytes = in / QK * block_bytes(qtype), nblocks = rows * in / QK;
+    float *sums = malloc(sizeof(float) * nblocks * 2);
+    int8_t *q = int8_activations ? malloc((size_t)(rows * in)) : NULL;
+    BlockInput input = {.x = x, .rows = rows, .in = in};
+    const int status = sums == NULL || (int8_activations && q == NULL) ? -2 : 0;
+    if (status == 0) {
+        prepare_input(&input, sums, q, sums + nblocks);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t o = 0; o < out; o++) {
-        float acc[MAX_ROWS];
-        block_gemv_row(x, xsum, rows, in, w + o * row_bytes, qtype, acc);
-        for (int64_t r = 0; r < rows; r++)
-            y[r * out + o] = acc[r];
+        for (int64_t o = 0; o < out; o++) {
+            float acc[MAX_ROWS];
+            block_gemv_row(&input, w + o * row_bytes, qtype, acc);
+            for (int64_t r = 0; r < rows; r++)
+                y[r * out + o] = acc[r];
+        }
     }
-    free(xsum);
-    return 0;
+    free(sums);
+    free(q);
+    return status;
 }

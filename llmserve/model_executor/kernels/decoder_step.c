@@ -31,6 +31,7 @@ typedef struct {
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int64_t num_blocks, block_size;
+    int64_t int8_activations; /* round each projection's input as block_q8.c does */
     float eps, scale;
     const LayerSpec *layers;
     const float *rope_cos, *rope_sin; /* [max_positions, head_dim / 2] */
@@ -66,14 +67,13 @@ static void rope(float *x, int64_t heads, int64_t head_dim, const float *cos, co
 }
 
 /* y[r, o] (+)= x[r] . W[o] + bias[o], y: [rows, out], for this thread's share of the outputs; `accumulate` adds into y. */
-static void project(const Projection *p, const float *x, const float *xsum, int64_t rows, int64_t in,
-                    int64_t out, float *y, int accumulate)
+static void project(const Projection *p, const BlockInput *x, int64_t out, float *y, int accumulate)
 {
-    const int64_t row_bytes = in / QK * block_bytes((int)p->qtype);
+    const int64_t row_bytes = x->in / QK * block_bytes((int)p->qtype), rows = x->rows;
 #pragma omp for schedule(static)
     for (int64_t o = 0; o < out; o++) {
         float acc[BLOCK_GEMV_MAX_ROWS];
-        block_gemv_row(x, xsum, rows, in, p->blocks + o * row_bytes, (int)p->qtype, acc);
+        block_gemv_row(x, p->blocks + o * row_bytes, (int)p->qtype, acc);
         for (int64_t r = 0; r < rows; r++) {
             const float v = acc[r] + (p->bias ? p->bias[o] : 0.0f);
             y[r * out + o] = accumulate ? y[r * out + o] + v : v;
@@ -82,15 +82,14 @@ static void project(const Projection *p, const float *x, const float *xsum, int6
 }
 
 /* SiLU(gate) * up for this thread's share of the intermediate features, gate and up read together. */
-static void gate_up_silu(const Projection *p, const float *x, const float *xsum, int64_t rows, int64_t in,
-                         int64_t inter, float *h)
+static void gate_up_silu(const Projection *p, const BlockInput *x, int64_t inter, float *h)
 {
-    const int64_t row_bytes = in / QK * block_bytes((int)p->qtype);
+    const int64_t row_bytes = x->in / QK * block_bytes((int)p->qtype), rows = x->rows;
 #pragma omp for schedule(static)
     for (int64_t o = 0; o < inter; o++) {
         float gate[BLOCK_GEMV_MAX_ROWS], up[BLOCK_GEMV_MAX_ROWS];
-        block_gemv_row(x, xsum, rows, in, p->blocks + o * row_bytes, (int)p->qtype, gate);
-        block_gemv_row(x, xsum, rows, in, p->blocks + (inter + o) * row_bytes, (int)p->qtype, up);
+        block_gemv_row(x, p->blocks + o * row_bytes, (int)p->qtype, gate);
+        block_gemv_row(x, p->blocks + (inter + o) * row_bytes, (int)p->qtype, up);
         for (int64_t r = 0; r < rows; r++)
             h[r * inter + o] = gate[r] / (1.0f + expf(-gate[r])) * up[r];
     }
@@ -123,9 +122,19 @@ typedef struct {
     int64_t rows, max_blocks, max_len;
     float *normed;  /* [rows, max(hidden, q_size)]: the normed residual, then the attention output */
     float *wide;    /* [rows, max(qkv width, intermediate)]: the QKV, then the MLP's hidden */
-    float *xsum;    /* block sums of whichever feeds the next projection */
-    float *scores;  /* [threads, group, max_len] */
+    BlockInput input; /* whichever feeds the next projection, as the blocks read it */
+    float *sums;      /* its block sums, then its int8 scales */
+    int8_t *q;        /* its int8 rounding, or NULL for fp32 activations */
+    float *scores;    /* [threads, group, max_len] */
 } Step;
+
+/* Point the step's block input at x [rows, in] (by the one thread of a `single`). */
+static void feed(Step *t, const float *x, int64_t in)
+{
+    t->input.x = x;
+    t->input.in = in;
+    prepare_input(&t->input, t->sums, t->q, t->sums + t->rows * in / QK);
+}
 
 static int64_t max64(int64_t a, int64_t b)
 {
@@ -133,7 +142,7 @@ static int64_t max64(int64_t a, int64_t b)
 }
 
 /* One decoder layer; called by every thread of the parallel region. */
-static void layer_step(const DecoderSpec *s, const LayerSpec *layer, const Step *t, float *x)
+static void layer_step(const DecoderSpec *s, const LayerSpec *layer, Step *t, float *x)
 {
     const int64_t hidden = s->hidden, inter = s->intermediate, rows = t->rows;
     const int64_t group = s->num_heads / s->num_kv_heads, q_size = s->num_heads * s->head_dim;
@@ -141,9 +150,9 @@ static void layer_step(const DecoderSpec *s, const LayerSpec *layer, const Step 
 #pragma omp single
     {
         rms_norm(x, layer->input_norm, rows, hidden, s->eps, t->normed);
-        block_sums(t->normed, rows, hidden, t->xsum);
+        feed(t, t->normed, hidden);
     }
-    project(&layer->qkv, t->normed, t->xsum, rows, hidden, qkv_width, t->wide, 0);
+    project(&layer->qkv, &t->input, qkv_width, t->wide, 0);
 #pragma omp single
     rope_and_store(s, layer, t->wide, rows, t->positions, t->slots);
 #pragma omp for collapse(2) schedule(dynamic, 1)
@@ -156,17 +165,17 @@ static void layer_step(const DecoderSpec *s, const LayerSpec *layer, const Step 
                        s->scale, t->scores + omp_get_thread_num() * group * t->max_len);
         }
 #pragma omp single
-    block_sums(t->normed, rows, q_size, t->xsum);
-    project(&layer->o, t->normed, t->xsum, rows, q_size, hidden, x, 1);
+    feed(t, t->normed, q_size);
+    project(&layer->o, &t->input, hidden, x, 1);
 #pragma omp single
     {
         rms_norm(x, layer->post_norm, rows, hidden, s->eps, t->normed);
-        block_sums(t->normed, rows, hidden, t->xsum);
+        feed(t, t->normed, hidden);
     }
-    gate_up_silu(&layer->gate_up, t->normed, t->xsum, rows, hidden, inter, t->wide);
+    gate_up_silu(&layer->gate_up, &t->input, inter, t->wide);
 #pragma omp single
-    block_sums(t->wide, rows, inter, t->xsum);
-    project(&layer->down, t->wide, t->xsum, rows, inter, hidden, x, 1);
+    feed(t, t->wide, inter);
+    project(&layer->down, &t->input, hidden, x, 1);
 }
 
 /* x: [rows, hidden], the embedded tokens, used as the residual stream (overwritten); out: [rows, hidden]
@@ -181,15 +190,17 @@ int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const
     const int64_t q_size = s->num_heads * s->head_dim, group = s->num_heads / s->num_kv_heads;
     const int64_t wide = max64(q_size + 2 * s->num_kv_heads * s->head_dim, s->intermediate);
     const int64_t narrow = max64(s->hidden, q_size);
+    const int64_t widest = max64(narrow, wide);
     Step t = {.positions = positions, .slots = slots, .block_tables = block_tables, .seq_lens = seq_lens,
-              .rows = rows, .max_blocks = max_blocks, .max_len = 1};
+              .rows = rows, .max_blocks = max_blocks, .max_len = 1, .input = {.rows = rows}};
     for (int64_t r = 0; r < rows; r++)
         t.max_len = max64(t.max_len, seq_lens[r]);
     t.normed = malloc(sizeof(float) * rows * narrow);
     t.wide = malloc(sizeof(float) * rows * wide);
-    t.xsum = malloc(sizeof(float) * rows * max64(narrow, wide) / QK);
+    t.sums = malloc(sizeof(float) * rows * widest / QK * 2);
+    t.q = s->int8_activations ? malloc((size_t)(rows * widest)) : NULL;
     t.scores = malloc(sizeof(float) * num_threads * group * t.max_len);
-    const int status = t.normed && t.wide && t.xsum && t.scores ? 0 : -2;
+    const int status = t.normed && t.wide && t.sums && t.scores && (t.q || !s->int8_activations) ? 0 : -2;
     if (status == 0) {
 #pragma omp parallel num_threads(num_threads)
         for (int64_t l = 0; l < s->num_layers; l++)
@@ -198,7 +209,8 @@ int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const
     }
     free(t.normed);
     free(t.wide);
-    free(t.xsum);
+    free(t.sums);
+    free(t.q);
     free(t.scores);
     return status;
 }

@@ -1,5 +1,6 @@
-/* What the kernels share: GGUF block reading (block_gemv.c) and one (sequence, KV head) of decode
- * attention (paged_attention.c), which decoder_step.c strings together. */
+/* What the kernels share: GGUF block products (block_gemv.c with fp32 activations, block_q8.c with int8
+ * ones) and one (sequence, KV head) of decode attention (paged_attention.c), which decoder_step.c strings
+ * together. */
 #ifndef LLMSERVE_KERNELS_H
 #define LLMSERVE_KERNELS_H
 
@@ -12,12 +13,30 @@ enum { Q4_1 = 3, Q8_0 = 8 }; /* GGML type ids */
 /* Bytes of one block of this type, or 0 for a type we do not read. */
 int64_t block_bytes(int qtype);
 
-/* xsum[r, b] = the sum of x[r]'s block b: the Q4_1 minimum's term. x: [rows, in]. */
-void block_sums(const float *x, int64_t rows, int64_t in, float *xsum);
+/* Rows x [rows, in] as a block product reads them: with sums[r, b], the sum of block b of row r (the
+ * Q4_1 minimum's term); or, when q is set, rounded to int8 per block (q [rows, in], scales and sums
+ * [rows, in / 32], see block_q8.c). */
+typedef struct {
+    const float *x, *sums;
+    const int8_t *q;
+    const float *scales;
+    int64_t rows, in;
+} BlockInput;
+
+/* Fills what `in` needs besides x: the sums, and the int8 rounding when in->q is set. */
+void prepare_input(BlockInput *in, float *sums, int8_t *q, float *scales);
+
+/* sums[r, b] = the sum of x[r]'s block b. x: [rows, in]. */
+void block_sums(const float *x, int64_t rows, int64_t in, float *sums);
+
+/* x rounded to int8 per block of 32: q, the blocks' scales, and scale * sum(q) for each. */
+void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *q, float *scales, float *sums);
 
 /* acc[r] = x[r] . w for one output row w of in / 32 blocks, for rows <= BLOCK_GEMV_MAX_ROWS. */
-void block_gemv_row(const float *x, const float *xsum, int64_t rows, int64_t in, const uint8_t *w, int qtype,
-                    float *acc);
+void block_gemv_row(const BlockInput *in, const uint8_t *w, int qtype, float *acc);
+
+/* The same with int8 activations (in->q set). */
+void q8_dot_rows(const BlockInput *in, const uint8_t *w, int qtype, float *acc);
 
 /* One sequence's query heads that share KV head `head_stride / (num_blocks * block_size * head_dim)`:
  * q, out [group, head_dim]; scores: scratch of group * len floats. */

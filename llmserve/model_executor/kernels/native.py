@@ -5,7 +5,8 @@ small machine, this one well under a second. The library is built for this CPU (
 cache key includes the CPU's flags. Without a compiler the callers keep the PyTorch path.
 
 - `paged_attention.c`: decode attention reading the paged KV cache in place.
-- `block_gemv.c`: a few rows times a weight kept in its GGUF blocks (Q4_1, Q8_0).
+- `block_gemv.c`: a few rows times a weight kept in its GGUF blocks (Q4_1, Q8_0); `block_q8.c` the
+  same with the rows rounded to int8 (`--quantization int8|int4`).
 - `decoder_step.c`: a decode step of a few sequences through every decoder layer, from those two.
 """
 
@@ -47,7 +48,17 @@ def load_library() -> ctypes.CDLL | None:
         return None
     library.paged_decode_attention.argtypes = [_PTR] * 6 + [_I64] * 7 + [ctypes.c_float, ctypes.c_int]
     library.paged_decode_attention.restype = ctypes.c_int
-    library.block_gemv.argtypes = [_PTR, _I64, _I64, _PTR, _I64, ctypes.c_int, _PTR, ctypes.c_int]
+    library.block_gemv.argtypes = [
+        _PTR,
+        _I64,
+        _I64,
+        _PTR,
+        _I64,
+        ctypes.c_int,
+        ctypes.c_int,
+        _PTR,
+        ctypes.c_int,
+    ]
     library.block_gemv.restype = ctypes.c_int
     spec, i64, ptr = ctypes.POINTER(DecoderSpec), _I64, _PTR
     library.decoder_step.argtypes = [spec, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int]
@@ -116,8 +127,11 @@ GGML_Q4_1, GGML_Q8_0 = 3, 8  # the block types block_gemv.c reads
 BLOCK_GEMV_MAX_ROWS = 16
 
 
-def block_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int) -> torch.Tensor:
-    """x [rows <= 16, in] fp32 @ W.T, W [out_features, in] held as GGUF blocks [out_features, row_bytes]."""
+def block_gemv(
+    x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int, int8_activations: bool = False
+) -> torch.Tensor:
+    """x [rows <= 16, in] fp32 @ W.T, W [out_features, in] held as GGUF blocks [out_features, row_bytes];
+    with `int8_activations`, x rounded per block of 32 first (block_q8.c)."""
     library = load_library()
     assert library is not None, "check load_library() first"
     x = x.contiguous()
@@ -129,6 +143,7 @@ def block_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: 
         blocks.data_ptr(),
         out_features,
         qtype,
+        int8_activations,
         y.data_ptr(),
         torch.get_num_threads(),
     )
@@ -162,7 +177,7 @@ class DecoderSpec(ctypes.Structure):
 
     _fields_ = [
         *((name, _I64) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim")),
-        *((name, _I64) for name in ("intermediate", "num_blocks", "block_size")),
+        *((name, _I64) for name in ("intermediate", "num_blocks", "block_size", "int8_activations")),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("layers", ctypes.POINTER(LayerSpec)),

@@ -133,7 +133,9 @@ class LlamaForCausalLM(nn.Module):
                 module.prepare(quantization)
         self.logits_kernel = make_kernel(self.lm_head_weight, None, quantization)
 
-    def attach_blocks(self, blocks: Iterable[tuple[str, int, torch.Tensor]]) -> None:
+    def attach_blocks(
+        self, blocks: Iterable[tuple[str, int, torch.Tensor]], int8_activations: bool = False
+    ) -> None:
         """Give each projection whose blocks are given (fused, or as checkpoint shards sharing one block
         type) a `BlockKernel` over them (see `layers/linear.py`); after `prepare_kernels`, whose kernels
         take the larger batches. When every projection has one, small decode steps run in C."""
@@ -149,11 +151,15 @@ class LlamaForCausalLM(nn.Module):
             if all(found) and len({qtype for qtype, _ in found}) == 1:  # type: ignore[misc]
                 rows = torch.cat([r for _, r in found])  # type: ignore[misc]
                 qtype = found[0][0]  # type: ignore[index]
-                module.kernel = BlockKernel(rows, qtype, module.out_features, module.bias, module.kernel)
+                module.kernel = BlockKernel(
+                    rows, qtype, module.out_features, module.bias, module.kernel, int8_activations
+                )
         head = by_name.get("lm_head.weight" if self.lm_head is not None else "embed_tokens.weight")
         if head is not None and self.logits_kernel is not None:
             qtype, rows = head
-            self.logits_kernel = BlockKernel(rows, qtype, self.config.vocab_size, None, self.logits_kernel)
+            self.logits_kernel = BlockKernel(
+                rows, qtype, self.config.vocab_size, None, self.logits_kernel, int8_activations
+            )
         if NativeDecoder.applies_to(self):
             self.native_decoder = NativeDecoder(self)
 

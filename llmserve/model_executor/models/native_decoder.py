@@ -21,6 +21,11 @@ if TYPE_CHECKING:
     from llmserve.model_executor.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
 
 
+def _block_kernels(model: LlamaForCausalLM) -> list[BlockKernel]:
+    kernels = [m.kernel for m in model.modules() if isinstance(m, Linear)]
+    return [k for k in kernels if isinstance(k, BlockKernel)]
+
+
 def _projection(linear: Linear) -> native.Projection:
     kernel = linear.kernel
     assert isinstance(kernel, BlockKernel)
@@ -48,6 +53,7 @@ class NativeDecoder:
             num_kv_heads=c.num_key_value_heads,
             head_dim=c.head_dim,
             intermediate=c.intermediate_size,
+            int8_activations=_block_kernels(model)[0].int8_activations,
             eps=c.rms_norm_eps,
             scale=c.head_dim**-0.5,
             layers=ctypes.cast(self.layers, ctypes.POINTER(native.LayerSpec)),
@@ -59,11 +65,13 @@ class NativeDecoder:
 
     @staticmethod
     def applies_to(model: LlamaForCausalLM) -> bool:
-        """Every projection reads blocks, the weights are fp32 on the CPU, and the library loaded."""
-        projections = [m for m in model.modules() if isinstance(m, Linear)]
+        """Every projection reads blocks, all with the same activations, the weights are fp32 on the CPU,
+        and the library loaded."""
+        kernels = _block_kernels(model)
+        projections = sum(isinstance(m, Linear) for m in model.modules())
         return (
-            bool(projections)
-            and all(isinstance(m.kernel, BlockKernel) for m in projections)
+            len(kernels) == projections > 0
+            and len({k.int8_activations for k in kernels}) == 1
             and model.norm.weight.dtype == torch.float32
             and native.load_library() is not None
         )

@@ -1,0 +1,160 @@
+/* Block products with the activations rounded to int8 per block of 32, as llama.cpp computes them.
+ *
+ * With fp32 activations every weight is widened to a float before its multiply, and that widening,
+ * not memory, bounds a single-sequence decode (~7 GB/s of Q4_1 read on this file's first machine, a
+ * third of its bandwidth). Rounded to int8, 32 activations meet 32 weights in two integer multiply-adds.
+ * Used by `--quantization int8|int4` only, which round the weights already; the larger batches of
+ * those modes round their activations the same way (`quantization.py`), so that outputs do not depend
+ * on the batch size. The default keeps fp32 activations (block_gemv.c).
+ *
+ * A row block: scale s = max |x| / 127, q = round-half-even(x / s) (as x * (1 / s)), and s * sum(q) for the
+ * Q4_1 minimum's term.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define USE_AVX2 1
+#endif
+
+#include "kernels.h"
+
+void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *q, float *scales, float *sums)
+{
+    for (int64_t blk = 0; blk < rows * in / QK; blk++) {
+        const float *xb = x + blk * QK;
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++)
+            amax = fmaxf(amax, fabsf(xb[j]));
+        const float s = amax / 127.0f, inv = s != 0.0f ? 1.0f / s : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < QK; j++) {
+            q[blk * QK + j] = (int8_t)nearbyintf(xb[j] * inv);
+            sum += q[blk * QK + j];
+        }
+        scales[blk] = s;
+        sums[blk] = s * (float)sum;
+    }
+}
+
+static float half_float(const uint8_t *p)
+{
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef USE_AVX2
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    const float magnitude = exp == 0 ? ldexpf((float)mant, -24) : ldexpf((float)(mant | 0x400), (int)exp - 25);
+    const float value = exp == 0x1f ? (mant ? NAN : INFINITY) : magnitude;
+    return sign ? -value : value;
+#endif
+}
+
+
+#ifdef USE_AVX2
+static inline float hsum(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(s);
+}
+
+/* The block's weights as unsigned bytes (Q4_1: 0..15; Q8_0: magnitudes, their signs in *signs), so that
+ * one unsigned-by-signed multiply-add takes both types. */
+static inline __attribute__((always_inline)) __m256i unpack(const uint8_t *block, int qtype, __m256i *signs)
+{
+    if (qtype == Q4_1) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 4));
+        return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(0x0f));
+    }
+    *signs = _mm256_loadu_si256((const __m256i *)(block + 2));
+    return _mm256_sign_epi8(*signs, *signs);
+}
+
+static inline __attribute__((always_inline)) __m256 int_dot(__m256i weights, __m256i signs, const int8_t *q,
+                                                            int qtype)
+{
+    __m256i x = _mm256_loadu_si256((const __m256i *)q);
+    if (qtype == Q8_0)
+        x = _mm256_sign_epi8(x, signs);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(weights, x), _mm256_set1_epi16(1)));
+}
+
+/* One row: the decode of a single sequence, accumulators in registers. */
+static inline __attribute__((always_inline)) float dot_one(const BlockInput *in, const uint8_t *w, int qtype)
+{
+    const int64_t stride = qtype == Q4_1 ? 20 : 34, nblocks = in->in / QK;
+    __m256 vacc = _mm256_setzero_ps();
+    float msum = 0.0f;
+    for (int64_t b = 0; b < nblocks; b++) {
+        const uint8_t *block = w + b * stride;
+        __m256i signs = _mm256_setzero_si256();
+        const __m256i weights = unpack(block, qtype, &signs);
+        const float scale = half_float(block) * in->scales[b];
+        vacc = _mm256_fmadd_ps(int_dot(weights, signs, in->q + b * QK, qtype), _mm256_set1_ps(scale), vacc);
+        if (qtype == Q4_1)
+            msum += half_float(block + 2) * in->sums[b];
+    }
+    return hsum(vacc) + msum;
+}
+
+/* Blocks outer, rows inner: each block is loaded and unpacked once for all the rows. */
+static inline __attribute__((always_inline)) void dot_rows(const BlockInput *in, const uint8_t *w, int qtype,
+                                                           float *acc)
+{
+    const int64_t stride = qtype == Q4_1 ? 20 : 34, nblocks = in->in / QK, rows = in->rows;
+    __m256 vacc[BLOCK_GEMV_MAX_ROWS];
+    float msum[BLOCK_GEMV_MAX_ROWS] = {0};
+    for (int64_t r = 0; r < rows; r++)
+        vacc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nblocks; b++) {
+        const uint8_t *block = w + b * stride;
+        const float d = half_float(block), m = qtype == Q4_1 ? half_float(block + 2) : 0.0f;
+        __m256i signs = _mm256_setzero_si256();
+        const __m256i weights = unpack(block, qtype, &signs);
+        for (int64_t r = 0; r < rows; r++) {
+            const __m256 dot = int_dot(weights, signs, in->q + r * in->in + b * QK, qtype);
+            vacc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d * in->scales[r * nblocks + b]), vacc[r]);
+            if (qtype == Q4_1)
+                msum[r] += m * in->sums[r * nblocks + b];
+        }
+    }
+    for (int64_t r = 0; r < rows; r++)
+        acc[r] = hsum(vacc[r]) + msum[r];
+}
+
+void q8_dot_rows(const BlockInput *in, const uint8_t *w, int qtype, float *acc)
+{
+    if (in->rows == 1)
+        acc[0] = qtype == Q4_1 ? dot_one(in, w, Q4_1) : dot_one(in, w, Q8_0);
+    else if (qtype == Q4_1)
+        dot_rows(in, w, Q4_1, acc);
+    else
+        dot_rows(in, w, Q8_0, acc);
+}
+#else
+void q8_dot_rows(const BlockInput *in, const uint8_t *w, int qtype, float *acc)
+{
+    const int64_t stride = block_bytes(qtype), nblocks = in->in / QK;
+    for (int64_t r = 0; r < in->rows; r++) {
+        const int8_t *q = in->q + r * in->in;
+        float sacc = 0.0f, msum = 0.0f;
+        for (int64_t b = 0; b < nblocks; b++) {
+            const uint8_t *block = w + b * stride;
+            int dot = 0;
+            for (int j = 0; j < QK; j++) {
+                const int wq = qtype == Q4_1 ? (block[4 + j % 16] >> (j < 16 ? 0 : 4)) & 0x0f
+                                             : (int)(int8_t)block[2 + j];
+                dot += wq * q[b * QK + j];
+            }
+            sacc += half_float(block) * in->scales[r * nblocks + b] * (float)dot;
+            if (qtype == Q4_1)
+                msum += half_float(block + 2) * in->sums[r * nblocks + b];
+        }
+        acc[r] = sacc + msum;
+    }
+}
+#endif
