@@ -1,13 +1,16 @@
 """Finding and starting the peers we compare against. Each lives in its own interpreter (a separate
-virtual environment, so that its torch or its build never meets ours); we talk to it through
-`benchmarks/peer_runner.py` or its server, never by importing it here."""
+virtual environment, so that its torch or its build never meets ours) or is a llama.cpp program; we talk
+to it through `benchmarks/peer_runner.py`, its server or its printed table, never by importing it here."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,13 @@ def interpreter_with(module: str, explicit: str | None) -> str | None:
     if explicit and not found:
         print(f"{explicit} cannot import {module}.", file=sys.stderr)
     return python if found else None
+
+
+def executable(path: str) -> str:
+    """An argparse type for a llama.cpp program: a wrong path fails at once, not after our own run."""
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise argparse.ArgumentTypeError(f"{path} is not an executable file")
+    return path
 
 
 def gguf_of(model: str) -> Path | None:
@@ -82,3 +92,65 @@ def hf_folder_of(gguf: Path) -> Path:
     config["architectures"] = [type(model).__name__]
     (folder / "config.json").write_text(json.dumps(config, indent=2))  # last: marks a complete folder
     return folder
+
+
+@dataclass(frozen=True)
+class BatchedBenchRow:
+    """One row of llama-batched-bench's table: `sequences` prompts of `prompt_len` tokens prefilled
+    together, then `output_len` tokens decoded for each, all in lockstep."""
+
+    sequences: int
+    prompt_len: int
+    output_len: int
+    seconds: float  # T: prefill and decode
+    prompt_tok_per_s: float  # S_PP
+    gen_tok_per_s: float  # S_TG: decode alone
+    total_tok_per_s: float  # S: prompt and generated tokens over T
+
+    @property
+    def output_tok_per_s(self) -> float:
+        """Generated tokens over the whole run, prefill included: what our offline benchmark measures."""
+        return self.sequences * self.output_len / self.seconds
+
+
+def batched_bench_command(
+    binary: str, gguf: Path, levels: list[int], prompt_len: int, output_len: int, threads: int
+) -> list[str]:
+    """llama-batched-bench with a KV cache just large enough for the largest level: it skips, without a
+    word, any level that does not fit."""
+    return [binary, "--model", str(gguf), "--ctx-size", str(max(levels) * (prompt_len + output_len)),
+            "-npp", str(prompt_len), "-ntg", str(output_len), "-npl", ",".join(map(str, levels)),
+            "--threads", str(threads), "--output-format", "md"]  # fmt: skip
+
+
+def parse_batched_bench(output: str) -> list[BatchedBenchRow]:
+    """The rows of llama-batched-bench's markdown table, read by column name (its log lines around the
+    table are skipped)."""
+    lines = [line.strip().strip("|") for line in output.splitlines() if line.lstrip().startswith("|")]
+    header = next(([c.strip() for c in line.split("|")] for line in lines if "S_TG t/s" in line), None)
+    rows = []
+    for line in lines:
+        cells = [c.strip() for c in line.split("|")]
+        if header is None or len(cells) != len(header) or not all(_is_number(c) for c in cells):
+            continue
+        row = dict(zip(header, map(float, cells)))
+        rows.append(
+            BatchedBenchRow(
+                sequences=int(row["B"]),
+                prompt_len=int(row["PP"]),
+                output_len=int(row["TG"]),
+                seconds=row["T s"],
+                prompt_tok_per_s=row["S_PP t/s"],
+                gen_tok_per_s=row["S_TG t/s"],
+                total_tok_per_s=row["S t/s"],
+            )
+        )
+    return rows
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True

@@ -3,6 +3,8 @@ so that every figure there was printed by a script, with the command that printe
 
     .venv/bin/python -m benchmarks.report                         # run every benchmark, then rewrite
     .venv/bin/python -m benchmarks.report --only throughput prefix --llama-cpp-python PY --vllm-python PY
+    .venv/bin/python -m benchmarks.report --only throughput serving \\
+        --llama-batched-bench BIN/llama-batched-bench --llama-server BIN/llama-server
     .venv/bin/python -m benchmarks.report --from benchmarks/results   # rewrite from existing files
 
 The benchmarks run one after another (never two at once: they would share the cores), each with its
@@ -22,7 +24,13 @@ from typing import Any
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 BENCHMARKS = ("throughput", "latency", "serving", "prefix")
 Row = tuple[str, str, str, str]  # what, command, llmserve, peers
-PEER_NAMES = {"hf": "HF `generate()` batched", "llama-cpp": "llama-cpp-python", "vllm": "vLLM CPU"}
+PEER_NAMES = {
+    "hf": "HF `generate()` batched",
+    "llama-cpp": "llama-cpp-python",
+    "vllm": "vLLM CPU",
+    "llama-server": "llama.cpp `llama-server`",
+    "llama-batched-bench": "llama.cpp `llama-batched-bench`",
+}
 
 
 def run_benchmarks(names: list[str], out: Path, args: argparse.Namespace) -> None:
@@ -34,6 +42,10 @@ def run_benchmarks(names: list[str], out: Path, args: argparse.Namespace) -> Non
             extra += ["--compare-llama-cpp"]
         if name == "throughput" and args.vllm_python:
             extra += ["--vllm-python", args.vllm_python]
+        if name == "throughput" and args.llama_batched_bench:
+            extra += ["--llama-batched-bench", args.llama_batched_bench]
+        if name == "serving" and args.llama_server:
+            extra += ["--llama-server", args.llama_server]
         command = [sys.executable, "-m", f"benchmarks.{name}", *extra, "--json", str(out / f"{name}.json")]
         print("running:", " ".join(command), flush=True)
         subprocess.run(command, check=True)
@@ -58,6 +70,26 @@ def throughput_rows(doc: dict[str, Any]) -> list[Row]:
         lo, hi = r["input"]
         what = f"offline, {w['num_prompts']} prompts of {lo}–{hi} tokens, {r['output_len']} out"
         rows.append((what, doc["command"], f"{ours:.1f} tok/s", "; ".join(peers) or "—"))
+    return rows + batched_bench_rows(doc)
+
+
+def batched_bench_rows(doc: dict[str, Any]) -> list[Row]:
+    """Our runs of llama-batched-bench's shape beside its figures, when the throughput run had it."""
+    bench = doc["results"].get("llama_batched_bench")
+    if not bench:
+        return []
+    name, rows = PEER_NAMES["llama-batched-bench"], []
+    for level in bench["levels"]:
+        ours, theirs = level["llmserve"]["output_tok_per_s"], level["llama_batched_bench"]
+        if theirs is None:
+            peer = f"{name}: skipped"
+        else:
+            out, tg = theirs["output_tok_per_s"], theirs["gen_tok_per_s"]
+            peer = f"{name}: {out:.1f} tok/s ({ours / out:.2f}×); decode alone (S_TG) {tg:.1f} tok/s "
+            peer += f"({ours / tg:.2f}×)"
+        sizes = f"{level['sequences']} prompts of {bench['prompt_len']} tokens, {bench['output_len']} out"
+        what = f"offline, {sizes} (llama-batched-bench's shape)"
+        rows.append((what, doc["command"], f"{ours:.1f} tok/s", peer))
     return rows
 
 
@@ -96,7 +128,10 @@ def serving_rows(doc: dict[str, Any]) -> list[Row]:
         w, (ours, *peers) = level["workload"], level["reports"]
         what = f"server, {w['concurrency']} streams, {w['input_len']} words in, {w['output_len']} out"
         ratios = [ours["output_tokens_per_s"] / (p["output_tokens_per_s"] or float("nan")) for p in peers]
-        peer = "; ".join(f"{p['name']}: {_serving_cell(p)} (tok/s {x:.2f}×)" for p, x in zip(peers, ratios))
+        peer = "; ".join(
+            f"{PEER_NAMES.get(p['name'], p['name'])}: {_serving_cell(p)} (tok/s {x:.2f}×)"
+            for p, x in zip(peers, ratios)
+        )
         rows.append((what, doc["command"], _serving_cell(ours), peer or "—"))
     return rows
 
@@ -169,6 +204,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
     parser.add_argument("--llama-cpp-python", default=None)
     parser.add_argument("--vllm-python", default=None)
+    parser.add_argument("--llama-server", default=None, help="llama.cpp's binary, for serving")
+    parser.add_argument("--llama-batched-bench", default=None, help="llama.cpp's binary, for throughput")
     parser.add_argument("--readme", type=Path, default=Path("README.md"))
     args = parser.parse_args()
     folder = args.source or args.results_dir

@@ -1,5 +1,5 @@
-"""Starting the servers the serving benchmark talks to (ours and llama-cpp-python's) as child
-processes, and stopping them however the benchmark ends."""
+"""Starting the servers the serving benchmark talks to (ours, llama-cpp-python's and llama.cpp's own
+`llama-server`) as child processes, and stopping them however the benchmark ends."""
 
 from __future__ import annotations
 
@@ -37,19 +37,29 @@ def llama_cpp_command(python: str, gguf: Path, port: int, context: int, threads:
             "--n_threads_batch", str(threads), "--interrupt_requests", "false"]  # fmt: skip
 
 
+def llama_server_command(
+    binary: str, gguf: Path, port: int, slots: int, context: int, threads: int
+) -> list[str]:
+    """llama.cpp's own server, batching continuously across `slots` requests at once. It splits `-c`
+    evenly among its slots, so each request gets `context` tokens."""
+    return [binary, "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+            "--parallel", str(slots), "--cont-batching", "--ctx-size", str(slots * context),
+            "--threads", str(threads)]  # fmt: skip
+
+
 @contextlib.contextmanager
-def running(name: str, command: list[str], port: int) -> Iterator[str]:
-    """Start `command`, yield its base URL once /v1/models answers, and stop it on the way out. Its
-    output goes to a temporary log, shown only if it fails to start."""
+def running(name: str, command: list[str], port: int, ready: str = "/v1/models") -> Iterator[str]:
+    """Start `command`, yield its base URL once the path `ready` answers 200 (llama-server answers 503
+    on every path while it loads, then 200 on /health), and stop it on the way out. Its output goes to a
+    temporary log, shown only if it fails to start."""
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
-            base_url = f"http://127.0.0.1:{port}/v1"
-            if not _answers(base_url, proc):
+            if not _answers(f"http://127.0.0.1:{port}{ready}", proc):
                 log.seek(0)
                 tail = log.read()[-3000:].decode(errors="replace")
                 raise RuntimeError(f"{name} did not start (exit code {proc.poll()}):\n{tail}")
-            yield base_url
+            yield f"http://127.0.0.1:{port}/v1"
         finally:
             proc.terminate()
             try:
@@ -58,11 +68,11 @@ def running(name: str, command: list[str], port: int) -> Iterator[str]:
                 proc.kill()
 
 
-def _answers(base_url: str, proc: subprocess.Popen[bytes]) -> bool:
+def _answers(url: str, proc: subprocess.Popen[bytes]) -> bool:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline and proc.poll() is None:
         with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{base_url}/models", timeout=2).status_code == 200:
+            if httpx.get(url, timeout=2).status_code == 200:
                 return True
         time.sleep(0.5)
     return False

@@ -1,19 +1,21 @@
 """Serving benchmark: a fixed, seeded streaming load at several concurrencies (1, 8 and 32 streams by
-default) against our OpenAI-compatible server and, with `--compare-llama-cpp`, against
-llama-cpp-python's server on the same GGUF, in one run.
+default) against our OpenAI-compatible server and, on the same GGUF, against llama-cpp-python's server
+(`--compare-llama-cpp`) and llama.cpp's own `llama-server` (`--llama-server PATH`), in one run.
 
     .venv/bin/python -m benchmarks.serving                       # starts `llmserve serve` itself
     .venv/bin/python -m benchmarks.serving --compare-llama-cpp \\
         --llama-cpp-python /work/peers/llamacpp/bin/python
+    .venv/bin/python -m benchmarks.serving --llama-server /path/to/llama.cpp/build/bin/llama-server
     .venv/bin/python -m benchmarks.serving --base-url http://127.0.0.1:8000/v1 --concurrency 8
 
-Without --base-url it starts our server on a free port (and stops it before llama.cpp's starts, so the
-two never share the cores). At each concurrency C, C streams each send --requests-per-stream requests
+Without --base-url it starts our server on a free port; each server is stopped before the next starts,
+so no two share the cores. At each concurrency C, C streams each send --requests-per-stream requests
 back to back (or --num-prompts in all). Per level it prints time to first token (p50, p99),
 inter-token latency (p50 of the gaps between streamed chunks), output tokens/s and requests/s, and our
-ratio to llama.cpp. Prompts are random common words, about one token each. llama-cpp-python's server
+ratio to each peer. Prompts are random common words, about one token each. llama-cpp-python's server
 runs one request at a time (its API holds a lock), so its TTFT grows with the queue; that is its
-behaviour under this load, not a fault here.
+behaviour under this load, not a fault here. llama-server gets as many slots as the largest
+concurrency, batched continuously, so it never queues a stream.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ import httpx
 import numpy as np
 
 from benchmarks.machine import warn_if_busy
-from benchmarks.peers import engine_threads, gguf_of, interpreter_with
+from benchmarks.peers import engine_threads, executable, gguf_of, interpreter_with
 from benchmarks.results import add_json_arg, write_results
-from benchmarks.servers import free_port, llama_cpp_command, llmserve_command, running
+from benchmarks.servers import free_port, llama_cpp_command, llama_server_command, llmserve_command, running
 
 # fmt: off
 WORDS = [
@@ -145,7 +147,10 @@ async def stream_one(
 
 async def run_workload(name: str, base_url: str, model: str, workload: Workload) -> Report:
     limit = asyncio.Semaphore(workload.concurrency)
-    connections = httpx.Limits(max_connections=workload.concurrency + 4)
+    # A connection per request: llama-server drops a reused keep-alive connection now and then (about 1
+    # request in 14 back to back, "Server disconnected without sending a response"); a local connect
+    # costs every server the same fraction of a millisecond.
+    connections = httpx.Limits(max_connections=workload.concurrency + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=connections) as http:
 
         async def limited(prompt: str) -> RequestResult:
@@ -169,6 +174,14 @@ def discover_model(base_url: str) -> str:
     return str(httpx.get(f"{base_url}/models", timeout=30).json()["data"][0]["id"])
 
 
+def serve(
+    name: str, command: list[str], port: int, levels: list[Workload], ready: str = "/v1/models"
+) -> list[Report]:
+    """Start a server, run every level against it, stop it."""
+    with running(name, command, port, ready) as url:
+        return run_levels(name, url, discover_model(url), levels)
+
+
 def ours(args: argparse.Namespace, levels: list[Workload]) -> tuple[str, list[Report]]:
     """Against --base-url if given, else against a server we start and stop. Returns the model too."""
     if args.base_url:
@@ -176,34 +189,45 @@ def ours(args: argparse.Namespace, levels: list[Workload]) -> tuple[str, list[Re
         model = args.model or discover_model(url)
         return model, run_levels("llmserve", url, model, levels)
     port, model = free_port(), args.model or DEFAULT_MODEL
-    with running("llmserve", llmserve_command(model, port, args.dtype), port) as url:
-        return model, run_levels("llmserve", url, discover_model(url), levels)
+    return model, serve("llmserve", llmserve_command(model, port, args.dtype), port, levels)
 
 
-def llama_cpp(args: argparse.Namespace, model: str, levels: list[Workload]) -> list[Report] | None:
-    python = interpreter_with("llama_cpp", args.llama_cpp_python)
+def peers(args: argparse.Namespace, model: str, levels: list[Workload]) -> list[list[Report]]:
+    """The llama.cpp servers asked for, one after another, on the served model's GGUF; one that cannot
+    run is skipped with the reason."""
+    if not (args.compare_llama_cpp or args.llama_server):
+        return []
     gguf = Path(args.gguf) if args.gguf else gguf_of(model)
-    if python is None or gguf is None:
-        why = "no GGUF (pass --gguf FILE)" if gguf is None else "llama-cpp-python is not installed"
-        print(f"no llama.cpp comparison: {why} (pass --llama-cpp-python PATH, with its [server] extra).")
-        return None
-    port, context = free_port(), 2 * (args.input_len + args.output_len) + 64  # words may be 2 tokens
-    with running(
-        "llama_cpp.server", llama_cpp_command(python, gguf, port, context, engine_threads()), port
-    ) as url:
-        return run_levels("llama.cpp", url, discover_model(url), levels)
+    if gguf is None:
+        print("no llama.cpp comparison: no GGUF (pass --gguf FILE).")
+        return []
+    context, threads = 2 * (args.input_len + args.output_len) + 64, engine_threads()  # words may be 2 tokens
+    reports = []
+    if args.compare_llama_cpp:
+        python = interpreter_with("llama_cpp", args.llama_cpp_python)
+        if python is None:
+            why = "not installed (pass --llama-cpp-python PATH, with its [server] extra)"
+            print(f"no llama-cpp-python comparison: {why}.")
+        else:
+            port = free_port()
+            command = llama_cpp_command(python, gguf, port, context, threads)
+            reports.append(serve("llama-cpp", command, port, levels))
+    if args.llama_server:
+        port, slots = free_port(), max(args.concurrency)
+        command = llama_server_command(args.llama_server, gguf, port, slots, context, threads)
+        reports.append(serve("llama-server", command, port, levels, ready="/health"))
+    return reports
 
 
 def print_reports(reports: list[Report]) -> None:
-    names = [r.name for r in reports]
-    ratio = "   ratio (first/second)" if len(reports) == 2 else ""
-    print(f"{'':18}" + "".join(f"{n:>14}" for n in names) + ratio)
-    for key in reports[0].rows():
-        values = [r.rows()[key] for r in reports]
-        line = f"{key:18}" + "".join(f"{v:14.2f}" for v in values)
-        if len(values) == 2 and values[1]:
-            line += f"   {values[0] / values[1]:.2f}x"
-        print(line)
+    """One column per server, then our ratio to each peer."""
+    ours, others = reports[0], reports[1:]
+    ratios = [f"{ours.name}/{r.name}" for r in others]
+    print(f"{'':18}" + "".join(f"{r.name:>14}" for r in reports) + "".join(f"{n:>24}" for n in ratios))
+    for key, value in ours.rows().items():
+        theirs = [r.rows()[key] for r in others]
+        line = f"{key:18}" + "".join(f"{v:14.2f}" for v in [value, *theirs])
+        print(line + "".join(f"{value / v:23.2f}x" if v else f"{'-':>24}" for v in theirs))
     print("completed/failed: " + ", ".join(f"{r.name} {r.completed}/{r.failed}" for r in reports))
 
 
@@ -222,7 +246,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compare-llama-cpp", action="store_true")
     parser.add_argument("--llama-cpp-python", default=None, help="interpreter with llama-cpp-python[server]")
-    parser.add_argument("--gguf", default=None, help="the GGUF for llama.cpp (default: the served model's)")
+    parser.add_argument(
+        "--llama-server", type=executable, default=None, help="llama.cpp's llama-server binary"
+    )
+    parser.add_argument("--gguf", default=None, help="the GGUF for the peers (default: the served model's)")
     add_json_arg(parser)
     return parser.parse_args()
 
@@ -230,17 +257,16 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     load = warn_if_busy()
+    # A seed per level: a server's prompt cache must not find one level's prompts in another's.
     levels = [
-        Workload(
-            args.num_prompts or c * args.requests_per_stream, c, args.input_len, args.output_len, args.seed
-        )
-        for c in args.concurrency
+        Workload(args.num_prompts or c * args.requests_per_stream, c, args.input_len, args.output_len, seed)
+        for seed, c in enumerate(args.concurrency, start=args.seed)
     ]
     model, mine = ours(args, levels)
-    theirs = llama_cpp(args, model, levels) if args.compare_llama_cpp else None
+    theirs = peers(args, model, levels)
     rows = []
     for i, workload in enumerate(levels):
-        reports = [mine[i]] + ([theirs[i]] if theirs else [])
+        reports = [mine[i], *(peer[i] for peer in theirs)]
         print(f"\n{workload}")
         print_reports(reports)
         rows.append({"workload": asdict(workload), "reports": [asdict(r) for r in reports]})

@@ -6,6 +6,8 @@ and the same seeded workload, in one run. Prints output tokens/s and our ratio t
     .venv/bin/python -m benchmarks.throughput --num-prompts 64 --peers hf   # one size, one peer
     .venv/bin/python -m benchmarks.throughput \\
         --llama-cpp-python /work/peers/llamacpp/bin/python --vllm-python /path/to/vllm-venv/bin/python
+    .venv/bin/python -m benchmarks.throughput --peers none \\
+        --llama-batched-bench /path/to/llama.cpp/build/bin/llama-batched-bench
 
 The workload: prompts of random token ids, lengths uniform in [--min-input, --max-input], each
 generating exactly --output-len tokens (ignore_eos; llama.cpp's `generate()` never stops by itself).
@@ -14,21 +16,38 @@ their own interpreter (`--llama-cpp-python`, `--vllm-python`; by default this on
 through benchmarks/peer_runner.py, with as many threads as our engine. "Same weights" means the same
 file: llmserve and HF dequantize the GGUF to --dtype, llama.cpp computes on its quantized blocks, and
 vLLM (which reads no GGUF) loads it dequantized to fp32 safetensors, written once to the temp folder.
+
+llama.cpp's `llama-batched-bench` (`--llama-batched-bench PATH`) runs its own fixed shape: B sequences
+of --batched-bench-input tokens prefilled together, then --output-len tokens each, for B in
+--batched-bench-levels (1 and 64). Ours runs the same shape (random prompts of that length), and the
+ratio compares the two whole runs; its generation-only rate (S_TG, prefill not timed) is shown beside.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 from benchmarks.machine import warn_if_busy
-from benchmarks.peers import engine_threads, gguf_of, hf_folder_of, interpreter_with, run_peer
+from benchmarks.peers import (
+    BatchedBenchRow,
+    batched_bench_command,
+    engine_threads,
+    executable,
+    gguf_of,
+    hf_folder_of,
+    interpreter_with,
+    parse_batched_bench,
+    run_peer,
+)
 from benchmarks.results import add_json_arg, write_results
 from llmserve.engine.input_processor import TokensPrompt
 from llmserve.model_executor.loader import load_model_config, resolve_model
@@ -45,12 +64,26 @@ class Workload:
 
 
 def make_workload(args: argparse.Namespace, num_prompts: int, vocab_size: int) -> Workload:
-    rng = random.Random(args.seed)  # so the 64-prompt workload is the first 64 of the 256
+    # A seed per size: one engine runs every workload; its prefix cache must not find one's in another.
+    rng = random.Random(args.seed * 1000 + num_prompts)
     prompts = [
         [rng.randrange(100, vocab_size) for _ in range(rng.randint(args.min_input, args.max_input))]
         for _ in range(num_prompts)
     ]
     return Workload(prompts, args.output_len)
+
+
+def batched_bench_workloads(args: argparse.Namespace, vocab_size: int) -> list[Workload]:
+    """llama-batched-bench's shape for our engine: B prompts of exactly --batched-bench-input tokens per
+    level. Drawn from another seed than the main workloads, so that prefix caching finds none of them."""
+    rng = random.Random(args.seed + 1)
+    return [
+        Workload(
+            [[rng.randrange(100, vocab_size) for _ in range(args.batched_bench_input)] for _ in range(level)],
+            args.output_len,
+        )
+        for level in args.batched_bench_levels
+    ]
 
 
 # A runner returns the seconds each workload took, or why it could not run.
@@ -159,6 +192,68 @@ def run_vllm(args: argparse.Namespace, works: list[Workload]) -> list[float] | s
 PEERS: dict[str, Runner] = {"hf": run_hf, "llama-cpp": run_llama_cpp, "vllm": run_vllm}
 
 
+def run_batched_bench(args: argparse.Namespace, gguf: Path) -> list[BatchedBenchRow] | str:
+    """llama-batched-bench at every level in one process; its rows, or why there are none."""
+    levels, threads = args.batched_bench_levels, engine_threads()
+    command = batched_bench_command(
+        args.llama_batched_bench, gguf, levels, args.batched_bench_input, args.output_len, threads
+    )
+    proc = subprocess.run(command, capture_output=True, text=True, check=False)
+    rows = parse_batched_bench(proc.stdout)
+    if proc.returncode != 0 or not rows:
+        print(proc.stdout[-2000:] + proc.stderr[-3000:], file=sys.stderr)
+        return f"failed (exit {proc.returncode}; its output is above)"
+    return rows
+
+
+BATCHED_LINE = "  {:>9} {:>28} {:>9} {:>12} {:>10} {:>8}"  # sequences, who, S, output, S_TG, seconds
+
+
+def report_batched_bench(
+    args: argparse.Namespace, works: list[Workload], ours: list[float], theirs: list[BatchedBenchRow] | str
+) -> dict[str, object]:
+    """Print our runs of llama-batched-bench's shape beside its rows; return the same for the results
+    file. Our whole-run rates compare with its S and output rate; its S_TG times decoding alone, which
+    ours cannot split out, so our ratio to S_TG understates us."""
+    print(
+        f"\nllama-batched-bench's shape: {args.batched_bench_input} prompt tokens and {args.output_len} "
+        "generated per sequence:"
+    )
+    if isinstance(theirs, str):
+        print(f"  llama-batched-bench: skipped: {theirs}")
+    by_level = {} if isinstance(theirs, str) else {row.sequences: row for row in theirs}
+    print(BATCHED_LINE.format("sequences", "", "S tok/s", "output tok/s", "S_TG tok/s", "seconds"))
+    levels: list[dict[str, object]] = []
+    for work, seconds in zip(works, ours):
+        b = len(work.prompts)
+        mine = {
+            "seconds": seconds,
+            "total_tok_per_s": b * (args.batched_bench_input + work.output_len) / seconds,
+            "output_tok_per_s": work.output_tokens / seconds,
+        }
+        out, total = mine["output_tok_per_s"], mine["total_tok_per_s"]
+        print(BATCHED_LINE.format(b, "llmserve", f"{total:.1f}", f"{out:.1f}", "-", f"{seconds:.2f}"))
+        row = by_level.get(b)
+        if row is not None:
+            ratio, ratio_tg = row.seconds / seconds, out / row.gen_tok_per_s  # same tokens: times' ratio
+            figures = [row.total_tok_per_s, row.output_tok_per_s, row.gen_tok_per_s]
+            print(
+                BATCHED_LINE.format(
+                    b, "llama-batched-bench", *(f"{f:.1f}" for f in figures), f"{row.seconds:.2f}"
+                )
+            )
+            ratios = [f"{ratio:.2f}x", f"{ratio:.2f}x", f"{ratio_tg:.2f}x", ""]
+            print(BATCHED_LINE.format("", "llmserve/llama-batched-bench", *ratios))
+        theirs_json = None if row is None else {**asdict(row), "output_tok_per_s": row.output_tok_per_s}
+        levels.append({"sequences": b, "llmserve": mine, "llama_batched_bench": theirs_json})
+    return {
+        "prompt_len": args.batched_bench_input,
+        "output_len": args.output_len,
+        "levels": levels,
+        "skipped": theirs if isinstance(theirs, str) else None,
+    }
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -177,6 +272,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--vllm-model", default=None, help="what vLLM loads (default: --model as safetensors)"
     )
+    parser.add_argument("--llama-batched-bench", type=executable, default=None, help="llama.cpp's binary")
+    parser.add_argument("--batched-bench-levels", type=int, nargs="+", default=[1, 64], help="sequences")
+    parser.add_argument("--batched-bench-input", type=int, default=128, help="prompt tokens per sequence")
     add_json_arg(parser)
     return parser.parse_args()
 
@@ -207,23 +305,30 @@ def report(works: list[Workload], outcomes: dict[str, list[float] | str]) -> lis
 
 def main() -> None:
     args = parse_args()
+    gguf = gguf_of(args.model) if args.llama_batched_bench else None
+    if args.llama_batched_bench and gguf is None:
+        raise SystemExit("--llama-batched-bench needs a GGUF model (--model FILE.gguf).")
     load = warn_if_busy()
     vocab = load_model_config(resolve_model(args.model)).vocab_size
     works = [make_workload(args, n, vocab) for n in args.num_prompts]
+    shaped = batched_bench_workloads(args, vocab) if gguf else []
     print(
         f"workload: {args.num_prompts} prompts, {args.min_input}-{args.max_input} input tokens, "
         f"{args.output_len} output tokens each; engine threads {engine_threads()}"
     )
-    runners: dict[str, Runner] = {"llmserve": run_llmserve}
-    runners.update({name: PEERS[name] for name in args.peers if name in PEERS})
-    outcomes = {name: runner(args, works) for name, runner in runners.items()}
+    mine = run_llmserve(args, works + shaped)  # one engine for both: loaded once
+    outcomes: dict[str, list[float] | str] = {"llmserve": mine[: len(works)]}
+    outcomes.update({name: PEERS[name](args, works) for name in args.peers if name in PEERS})
     rows = report(works, outcomes)
-    results = {
+    results: dict[str, object] = {
         "model": args.model,
         "input": [args.min_input, args.max_input],
         "output_len": args.output_len,
         "workloads": rows,
     }
+    if gguf:
+        theirs = run_batched_bench(args, gguf)
+        results["llama_batched_bench"] = report_batched_bench(args, shaped, mine[len(works) :], theirs)
     write_results(args.json, "benchmarks.throughput", results, load)
 
 

@@ -36,11 +36,12 @@ def test_write_results_records_command_and_machine(tmp_path: Path, monkeypatch: 
     assert written["machine"]["foreign_load_cores"] == 0.25 and written["machine"]["cores"]
 
 
-def test_smaller_workload_is_a_prefix_of_the_larger() -> None:
+def test_workloads_share_no_prompt_for_the_prefix_cache_to_find() -> None:
     args = argparse.Namespace(seed=0, min_input=32, max_input=512, output_len=128)
     small, large = make_workload(args, 64, 1000), make_workload(args, 256, 1000)
-    assert large.prompts[:64] == small.prompts
+    assert not {tuple(p[:16]) for p in small.prompts} & {tuple(p[:16]) for p in large.prompts}
     assert all(32 <= len(p) <= 512 for p in large.prompts)
+    assert make_workload(args, 64, 1000).prompts == small.prompts  # seeded
 
 
 def test_readme_block_is_rewritten_from_results_only(tmp_path: Path) -> None:
@@ -64,3 +65,35 @@ def test_readme_without_markers_is_refused(tmp_path: Path) -> None:
     readme.write_text("# x\n")
     with pytest.raises(SystemExit):
         report.rewrite(readme, "table")
+
+
+def served(name: str, tok_per_s: float) -> dict[str, object]:
+    return {"name": name, "completed": 32, "failed": 0, "ttft_p50": 0.2, "ttft_p99": 0.3, "itl_p50": 0.02,
+            "output_tokens_per_s": tok_per_s, "requests_per_s": 1.0}  # fmt: skip
+
+
+def test_serving_row_names_each_peer_with_our_ratio() -> None:
+    reports = [served("llmserve", 120.0), served("llama-cpp", 40.0), served("llama-server", 150.0)]
+    level = {"workload": {"concurrency": 32, "input_len": 128, "output_len": 64}, "reports": reports}
+    [(what, _, ours, peers)] = report.serving_rows(doc("serving", {"model": "m", "levels": [level]}))
+    assert what == "server, 32 streams, 128 words in, 64 out" and ours.endswith("; 120.0 tok/s")
+    cell = "TTFT p50 200 ms, p99 300 ms; ITL p50 20.0 ms"
+    assert peers == (
+        f"llama-cpp-python: {cell}; 40.0 tok/s (tok/s 3.00×); "
+        f"llama.cpp `llama-server`: {cell}; 150.0 tok/s (tok/s 0.80×)"
+    )
+
+
+def test_batched_bench_levels_follow_the_throughput_rows() -> None:
+    bench = {"prompt_len": 128, "output_len": 128, "skipped": None, "levels": [
+        {"sequences": 1, "llmserve": {"output_tok_per_s": 45.5},
+         "llama_batched_bench": {"output_tok_per_s": 91.0, "gen_tok_per_s": 182.0}},
+        {"sequences": 64, "llmserve": {"output_tok_per_s": 171.0}, "llama_batched_bench": None}]}  # fmt: skip
+    throughput = {"input": [32, 512], "output_len": 128, "workloads": [], "llama_batched_bench": bench}
+    rows = report.throughput_rows(doc("throughput", throughput))
+    assert [(what, ours, peers) for what, _, ours, peers in rows] == [
+        ("offline, 1 prompts of 128 tokens, 128 out (llama-batched-bench's shape)", "45.5 tok/s",
+         "llama.cpp `llama-batched-bench`: 91.0 tok/s (0.50×); decode alone (S_TG) 182.0 tok/s (0.25×)"),
+        ("offline, 64 prompts of 128 tokens, 128 out (llama-batched-bench's shape)", "171.0 tok/s",
+         "llama.cpp `llama-batched-bench`: skipped"),
+    ]  # fmt: skip
