@@ -6,7 +6,9 @@ memory bandwidth it achieves against this machine's measured peak.
     .venv/bin/python -m benchmarks.latency --only decode   # one section: async, hop or decode
     .venv/bin/python -m benchmarks.latency --only decode --dtypes float32 --quantizations none fp16
 
-Decode runs once per --dtypes x --quantizations pair the engine accepts. A GGUF's Q4_1/Q8_0 blocks are
+Decode runs once per --dtypes x --quantizations pair the engine accepts; with --llama-batched-bench BIN,
+llama.cpp decodes the same lengths on the same GGUF, one sequence, and its rate (S_TG) and our ratio
+to it are printed beside ours. A GGUF's Q4_1/Q8_0 blocks are
 read directly at one sequence when the engine can, so the bytes per token (and the formats) are counted
 from the kernels the engine chose; another GGUF quantization is measured by passing its file as --model.
 """
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 
 from benchmarks.machine import warn_if_busy
+from benchmarks.peers import executable, gguf_of, run_batched_bench
 from benchmarks.results import add_json_arg, write_results
 from llmserve import LLM, AsyncLLM, RequestOutputKind, SamplingParams
 from llmserve.engine.input_processor import TokensPrompt
@@ -192,7 +195,27 @@ def decode_section(args: argparse.Namespace) -> dict[str, object]:
             "achieved_gb_s": achieved,
             "fraction_of_peak": achieved / peak,
         }
-    return {"model": args.model, "peak_gb_s": peak, "dtypes": variants}
+    results: dict[str, object] = {"model": args.model, "peak_gb_s": peak, "dtypes": variants}
+    if args.llama_batched_bench:
+        results["llama_batched_bench_tok_per_s"] = llama_cpp_decode(args, variants)
+    return results
+
+
+def llama_cpp_decode(args: argparse.Namespace, variants: dict[str, Any]) -> float | str:
+    """llama.cpp's single-sequence decode rate on the same GGUF and lengths, and our ratios to it."""
+    gguf = gguf_of(args.model)
+    rows = (
+        run_batched_bench(args.llama_batched_bench, gguf, [1], args.input_len, args.output_len)
+        if gguf
+        else "no GGUF for this model"
+    )
+    if isinstance(rows, str):
+        print(f"  llama-batched-bench: {rows}")
+        return rows
+    theirs = rows[0].gen_tok_per_s
+    ratios = ", ".join(f"{name} {v['tok_per_s'] / theirs:.2f}x" for name, v in variants.items())
+    print(f"  llama.cpp (llama-batched-bench, 1 sequence): {theirs:6.1f} tok/s; ours/theirs: {ratios}")
+    return theirs
 
 
 def main() -> None:
@@ -211,6 +234,7 @@ def main() -> None:
         help="--no-native-kernels: PyTorch ops only (no GGUF blocks read directly)",
     )
     parser.add_argument("--only", choices=["async", "hop", "decode"])
+    parser.add_argument("--llama-batched-bench", type=executable, default=None, help="llama.cpp's binary")
     add_json_arg(parser)
     args = parser.parse_args()
     load = warn_if_busy()

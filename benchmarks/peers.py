@@ -123,6 +123,20 @@ def batched_bench_command(
             "--threads", str(threads), "--output-format", "md"]  # fmt: skip
 
 
+def run_batched_bench(
+    binary: str, gguf: Path, levels: list[int], prompt_len: int, output_len: int
+) -> list[BatchedBenchRow] | str:
+    """llama-batched-bench at every level in one process, on our engine's threads; its rows, or why
+    there are none."""
+    command = batched_bench_command(binary, gguf, levels, prompt_len, output_len, engine_threads())
+    proc = subprocess.run(command, capture_output=True, text=True, check=False)
+    rows = parse_batched_bench(proc.stdout)
+    if proc.returncode != 0 or not rows:
+        print(proc.stdout[-2000:] + proc.stderr[-3000:], file=sys.stderr)
+        return f"failed (exit {proc.returncode}; its output is above)"
+    return rows
+
+
 def parse_batched_bench(output: str) -> list[BatchedBenchRow]:
     """The rows of llama-batched-bench's markdown table, read by column name (its log lines around the
     table are skipped)."""

@@ -97,12 +97,18 @@ def latency_rows(doc: dict[str, Any]) -> list[Row]:
     r, rows = doc["results"], []
     if "decode" in r:
         peak = r["decode"]["peak_gb_s"]
+        theirs = r["decode"].get("llama_batched_bench_tok_per_s")
         for dtype, d in r["decode"]["dtypes"].items():
             figure = (
                 f"{d['tok_per_s']:.1f} tok/s; {d['weight_mb']:.0f} MB/token ({d['formats']}): "
                 f"{d['achieved_gb_s']:.1f} GB/s = {d['fraction_of_peak']:.0%} of {peak:.1f} GB/s measured"
             )
-            rows.append((f"single-stream decode, {dtype}", doc["command"], figure, "—"))
+            peer = "—"
+            if isinstance(theirs, float):
+                peer = (
+                    f"{PEER_NAMES['llama-batched-bench']} {theirs:.1f} tok/s ({d['tok_per_s'] / theirs:.2f}x)"
+                )
+            rows.append((f"single-stream decode, {dtype}", doc["command"], figure, peer))
     if "async" in r:
         for level, d in r["async"]["concurrency"].items():
             figure = f"TTFT p50 {d['ttft_p50_ms']:.0f} ms, TPOT p50 {d['tpot_p50_ms']:.1f} ms"

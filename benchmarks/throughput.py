@@ -27,25 +27,22 @@ from __future__ import annotations
 
 import argparse
 import random
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
 from benchmarks.machine import warn_if_busy
 from benchmarks.peers import (
     BatchedBenchRow,
-    batched_bench_command,
     engine_threads,
     executable,
     gguf_of,
     hf_folder_of,
     interpreter_with,
-    parse_batched_bench,
+    run_batched_bench,
     run_peer,
 )
 from benchmarks.results import add_json_arg, write_results
@@ -192,20 +189,6 @@ def run_vllm(args: argparse.Namespace, works: list[Workload]) -> list[float] | s
 PEERS: dict[str, Runner] = {"hf": run_hf, "llama-cpp": run_llama_cpp, "vllm": run_vllm}
 
 
-def run_batched_bench(args: argparse.Namespace, gguf: Path) -> list[BatchedBenchRow] | str:
-    """llama-batched-bench at every level in one process; its rows, or why there are none."""
-    levels, threads = args.batched_bench_levels, engine_threads()
-    command = batched_bench_command(
-        args.llama_batched_bench, gguf, levels, args.batched_bench_input, args.output_len, threads
-    )
-    proc = subprocess.run(command, capture_output=True, text=True, check=False)
-    rows = parse_batched_bench(proc.stdout)
-    if proc.returncode != 0 or not rows:
-        print(proc.stdout[-2000:] + proc.stderr[-3000:], file=sys.stderr)
-        return f"failed (exit {proc.returncode}; its output is above)"
-    return rows
-
-
 BATCHED_LINE = "  {:>9} {:>28} {:>9} {:>12} {:>10} {:>8}"  # sequences, who, S, output, S_TG, seconds
 
 
@@ -327,7 +310,13 @@ def main() -> None:
         "workloads": rows,
     }
     if gguf:
-        theirs = run_batched_bench(args, gguf)
+        theirs = run_batched_bench(
+            args.llama_batched_bench,
+            gguf,
+            args.batched_bench_levels,
+            args.batched_bench_input,
+            args.output_len,
+        )
         results["llama_batched_bench"] = report_batched_bench(args, shaped, mine[len(works) :], theirs)
     write_results(args.json, "benchmarks.throughput", results, load)
 

@@ -97,3 +97,23 @@ def test_batched_bench_levels_follow_the_throughput_rows() -> None:
         ("offline, 64 prompts of 128 tokens, 128 out (llama-batched-bench's shape)", "171.0 tok/s",
          "llama.cpp `llama-batched-bench`: skipped"),
     ]  # fmt: skip
+
+
+def test_single_stream_rows_carry_llama_cpp_decode_and_our_ratio() -> None:
+    decode = {
+        "tok_per_s": 90.0,
+        "weight_mb": 84.0,
+        "formats": "Q4_1",
+        "achieved_gb_s": 7.6,
+        "fraction_of_peak": 0.4,
+    }
+    doc = {
+        "command": "python -m benchmarks.latency",
+        "results": {"decode": {"peak_gb_s": 19.0, "dtypes": {"float32, int4": decode}}},
+    }
+    (row,) = report.latency_rows(doc)
+    assert row[3] == "—"  # no llama.cpp run
+    doc["results"]["decode"]["llama_batched_bench_tok_per_s"] = 75.0  # type: ignore[index]
+    (row,) = report.latency_rows(doc)
+    assert row[0] == "single-stream decode, float32, int4"
+    assert "75.0 tok/s (1.20x)" in row[3]
