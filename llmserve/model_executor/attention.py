@@ -35,7 +35,7 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot for each token's K and V
     num_decodes: int
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with 0
+    decode_block_tables: torch.Tensor  # [num_decodes, width] int64, padded with valid block ids
     decode_seq_lens: torch.Tensor  # [num_decodes] int64, including the new token
     decode_max_len: int
     prefills: list[PrefillChunk]
@@ -92,8 +92,9 @@ def _decode_attention(
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     length = meta.decode_max_len
-    keys = _gather(k_cache, meta.decode_block_tables, length)  # [kv_heads, batch, L, head_dim]
-    values = _gather(v_cache, meta.decode_block_tables, length)
+    tables = meta.decode_block_tables[:, : -(-length // k_cache.shape[2])]  # the blocks in use
+    keys = _gather(k_cache, tables, length)  # [kv_heads, batch, L, head_dim]
+    values = _gather(v_cache, tables, length)
     # The query heads that share a KV head become rows of one matrix product per (kv head, sequence).
     grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
     scores = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scale)  # [kv_heads, batch, group, L]

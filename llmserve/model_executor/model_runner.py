@@ -12,6 +12,7 @@ from llmserve.engine.messages import TokenLogprobs
 from llmserve.model_executor.attention import AttentionMetadata, PrefillChunk
 from llmserve.model_executor.cpu_threads import configure_core_threads
 from llmserve.model_executor.device import resolve_device, resolve_dtype
+from llmserve.model_executor.input_buffers import InputBuffers
 from llmserve.model_executor.kernels import native
 from llmserve.model_executor.loader import ModelSource, iter_gguf_blocks, iter_weights
 from llmserve.model_executor.logits_processors import apply_logits_processors, build_logits_metadata
@@ -58,6 +59,7 @@ class ModelRunner:
         self.model = model.eval()
         self.kv_caches: list[KVCache] = []
         self.block_size = 0
+        self.inputs = InputBuffers()
         self._generators: dict[str, torch.Generator] = {}
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
@@ -157,55 +159,42 @@ class ModelRunner:
         self, batch: list[ScheduledRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
         """Flat token ids and positions, attention metadata, and which rows sample at which token."""
-        token_ids: list[int] = []
-        positions: list[int] = []
-        decode_slots: list[int] = []
-        prefill_slots: list[torch.Tensor] = []
+        bs, buffers = self.block_size, self.inputs
+        decodes = [s for s in batch if s.num_new_tokens == 1]  # first in the batch (see execute_model)
+        buffers.reserve(
+            sum(s.num_new_tokens for s in batch),
+            len(decodes),
+            max((len(s.block_ids) for s in decodes), default=0),
+        )
         prefills: list[PrefillChunk] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
         sample_rows: list[int] = []
         last_tokens: list[int] = []
-        bs = self.block_size
+        at = 0
         for row, sched in enumerate(batch):
-            start = sched.request.num_computed_tokens
-            end = start + sched.num_new_tokens
-            token_ids.extend(sched.request.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            if sched.num_new_tokens == 1:  # a decode: one slot, no tensor of its own
-                decode_slots.append(sched.block_ids[start // bs] * bs + start % bs)
-                decode_tables.append(sched.block_ids)
-                decode_lens.append(end)
+            request, n = sched.request, sched.num_new_tokens
+            start = request.num_computed_tokens
+            buffers.write_tokens(at, request.all_token_ids[start : start + n], start, sched.block_ids, bs)
+            if n == 1:
+                buffers.write_decode(row, sched.block_ids, start + 1)
             else:
-                table = torch.tensor(sched.block_ids, dtype=torch.int64)
-                pos = torch.arange(start, end)
-                prefill_slots.append(table[pos // bs] * bs + pos % bs)
-                query_start = len(positions) - sched.num_new_tokens
-                chunk = PrefillChunk(query_start, sched.num_new_tokens, start, table.to(self.device))
-                prefills.append(chunk)
+                table = torch.tensor(sched.block_ids, dtype=torch.int64, device=self.device)
+                prefills.append(PrefillChunk(at, n, start, table))
+            at += n
             if sched.samples:
                 sample_rows.append(row)
-                last_tokens.append(len(positions) - 1)
-        # Decodes come first in the flat batch (see execute_model), so their slots do too.
-        slots = torch.cat([torch.tensor(decode_slots, dtype=torch.int64), *prefill_slots])
-        width = max((len(t) for t in decode_tables), default=0)
-        padded = [t + [0] * (width - len(t)) for t in decode_tables]
+                last_tokens.append(at - 1)
+        num_decodes = len(decodes)
         meta = AttentionMetadata(
-            slot_mapping=slots.to(self.device),
-            num_decodes=len(decode_tables),
-            decode_block_tables=torch.tensor(padded, dtype=torch.int64, device=self.device),
-            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int64, device=self.device),
-            decode_max_len=max(decode_lens, default=0),
+            slot_mapping=buffers.slots[:at].to(self.device),
+            num_decodes=num_decodes,
+            decode_block_tables=buffers.decode_tables[:num_decodes].to(self.device),
+            decode_seq_lens=buffers.decode_lens[:num_decodes].to(self.device),
+            decode_max_len=max((s.request.num_computed_tokens + 1 for s in decodes), default=0),
             prefills=prefills,
             native_decode=self.native,
         )
-        return (
-            torch.tensor(token_ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
-            meta,
-            sample_rows,
-            last_tokens,
-        )
+        token_ids, positions = buffers.token_ids[:at].to(self.device), buffers.positions[:at].to(self.device)
+        return token_ids, positions, meta, sample_rows, last_tokens
 
     def _sampling_metadata(self, batch: list[ScheduledRequest]) -> SamplingMetadata:
         params = [s.request.sampling_params for s in batch]
