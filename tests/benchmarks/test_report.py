@@ -116,4 +116,4 @@ def test_single_stream_rows_carry_llama_cpp_decode_and_our_ratio() -> None:
     doc["results"]["decode"]["llama_batched_bench_tok_per_s"] = 75.0  # type: ignore[index]
     (row,) = report.latency_rows(doc)
     assert row[0] == "single-stream decode, float32, int4"
-    assert "75.0 tok/s (1.20x)" in row[3]
+    assert "75.0 tok/s (1.20×)" in row[3]
