@@ -105,9 +105,8 @@ def latency_rows(doc: dict[str, Any]) -> list[Row]:
             )
             peer = "—"
             if isinstance(theirs, float):
-                peer = (
-                    f"{PEER_NAMES['llama-batched-bench']} {theirs:.1f} tok/s ({d['tok_per_s'] / theirs:.2f}x)"
-                )
+                ratio = d["tok_per_s"] / theirs
+                peer = f"{PEER_NAMES['llama-batched-bench']}: {theirs:.1f} tok/s ({ratio:.2f}×)"
             rows.append((f"single-stream decode, {dtype}", doc["command"], figure, peer))
     if "async" in r:
         for level, d in r["async"]["concurrency"].items():
