@@ -9,44 +9,15 @@
  * Q4_1 block (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles; weight j < 16 is the low nibble of byte
  * j, weight j + 16 its high nibble; value d * q + m. Q8_0 block (34 bytes): fp16 d, 32 int8; d * q.
  */
-#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define USE_AVX2 1
-#endif
 
 #include "kernels.h"
 
 #define MAX_ROWS BLOCK_GEMV_MAX_ROWS
 
 #ifndef USE_AVX2
-static float half_to_float(uint16_t h)
-{
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000 | (mant << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);
-    } else if (mant == 0) {
-        bits = sign;
-    } else { /* subnormal: normalize */
-        exp = 113;
-        while (!(mant & 0x400)) {
-            mant <<= 1;
-            exp--;
-        }
-        bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 /* The 32 quantized values of one block, as floats (q, without d and m). */
 static void unpack(const uint8_t *block, int qtype, float *q)
 {
@@ -93,21 +64,6 @@ void prepare_input(BlockInput *in, float *sums, int8_t *q, float *scales)
 #ifdef USE_AVX2
 #define INLINE static inline __attribute__((always_inline))
 
-INLINE float half(const uint8_t *p)
-{
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
-INLINE float hsum(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_hadd_ps(s, s);
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(s);
-}
-
 /* The block's 32 quantized values as floats (q, without d and m), eight to a vector. */
 INLINE void widen(const uint8_t *block, int qtype, __m256 q[4])
 {
@@ -150,13 +106,13 @@ INLINE float dot_one(const float *x, const float *xsum, int64_t nblocks, const u
         const uint8_t *block = w + b * stride;
         __m256 q[4];
         widen(block, qtype, q);
-        const __m256 t = block_dot(q, x + b * QK), d = _mm256_set1_ps(half(block));
+        const __m256 t = block_dot(q, x + b * QK), d = _mm256_set1_ps(read_half(block));
         if (b & 1)
             odd = _mm256_fmadd_ps(t, d, odd);
         else
             even = _mm256_fmadd_ps(t, d, even);
         if (qtype == Q4_1)
-            msum += half(block + 2) * xsum[b];
+            msum += read_half(block + 2) * xsum[b];
     }
     return hsum(_mm256_add_ps(even, odd)) + msum;
 }
@@ -174,8 +130,8 @@ INLINE void dot_rows(const float *x, const float *xsum, int64_t rows, int64_t in
         const uint8_t *block = w + b * stride;
         __m256 q[4];
         widen(block, qtype, q);
-        const __m256 d = _mm256_set1_ps(half(block));
-        const float m = qtype == Q4_1 ? half(block + 2) : 0.0f;
+        const __m256 d = _mm256_set1_ps(read_half(block));
+        const float m = qtype == Q4_1 ? read_half(block + 2) : 0.0f;
         for (int64_t r = 0; r < rows; r++) {
             vacc[r] = _mm256_fmadd_ps(block_dot(q, x + r * in + b * QK), d, vacc[r]);
             msum[r] += m * xsum[r * nblocks + b];
@@ -210,13 +166,9 @@ void block_gemv_row(const BlockInput *input, const uint8_t *w, int qtype, float 
     float sacc[MAX_ROWS] = {0}, msum[MAX_ROWS] = {0};
     for (int64_t b = 0; b < nblocks; b++) {
         const uint8_t *block = w + b * stride;
-        uint16_t dh, mh = 0;
-        memcpy(&dh, block, 2);
-        if (qtype == Q4_1)
-            memcpy(&mh, block + 2, 2);
         float q[QK];
         unpack(block, qtype, q);
-        const float d = half_to_float(dh), m = qtype == Q4_1 ? half_to_float(mh) : 0.0f;
+        const float d = read_half(block), m = qtype == Q4_1 ? read_half(block + 2) : 0.0f;
         for (int64_t r = 0; r < rows; r++) {
             const float *xb = x + r * in + b * QK;
             float t = 0.0f;

@@ -10,13 +10,7 @@
  * A row block: scale s = max |x| / 127, q = round-half-even(x / s) (as x * (1 / s)), and s * sum(q) for the
  * Q4_1 minimum's term.
  */
-#include <math.h>
 #include <stdint.h>
-#include <string.h>
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define USE_AVX2 1
-#endif
 
 #include "kernels.h"
 
@@ -38,30 +32,7 @@ void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *q, float *s
     }
 }
 
-static float half_float(const uint8_t *p)
-{
-    uint16_t h;
-    memcpy(&h, p, 2);
 #ifdef USE_AVX2
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-    const float magnitude = exp == 0 ? ldexpf((float)mant, -24) : ldexpf((float)(mant | 0x400), (int)exp - 25);
-    const float value = exp == 0x1f ? (mant ? NAN : INFINITY) : magnitude;
-    return sign ? -value : value;
-#endif
-}
-
-
-#ifdef USE_AVX2
-static inline float hsum(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_hadd_ps(s, s);
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(s);
-}
-
 /* The block's weights as unsigned bytes (Q4_1: 0..15; Q8_0: magnitudes, their signs in *signs), so that
  * one unsigned-by-signed multiply-add takes both types. */
 static inline __attribute__((always_inline)) __m256i unpack(const uint8_t *block, int qtype, __m256i *signs)
@@ -93,10 +64,10 @@ static inline __attribute__((always_inline)) float dot_one(const BlockInput *in,
         const uint8_t *block = w + b * stride;
         __m256i signs = _mm256_setzero_si256();
         const __m256i weights = unpack(block, qtype, &signs);
-        const float scale = half_float(block) * in->scales[b];
+        const float scale = read_half(block) * in->scales[b];
         vacc = _mm256_fmadd_ps(int_dot(weights, signs, in->q + b * QK, qtype), _mm256_set1_ps(scale), vacc);
         if (qtype == Q4_1)
-            msum += half_float(block + 2) * in->sums[b];
+            msum += read_half(block + 2) * in->sums[b];
     }
     return hsum(vacc) + msum;
 }
@@ -112,7 +83,7 @@ static inline __attribute__((always_inline)) void dot_rows(const BlockInput *in,
         vacc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nblocks; b++) {
         const uint8_t *block = w + b * stride;
-        const float d = half_float(block), m = qtype == Q4_1 ? half_float(block + 2) : 0.0f;
+        const float d = read_half(block), m = qtype == Q4_1 ? read_half(block + 2) : 0.0f;
         __m256i signs = _mm256_setzero_si256();
         const __m256i weights = unpack(block, qtype, &signs);
         for (int64_t r = 0; r < rows; r++) {
@@ -150,9 +121,9 @@ void q8_dot_rows(const BlockInput *in, const uint8_t *w, int qtype, float *acc)
                                              : (int)(int8_t)block[2 + j];
                 dot += wq * q[b * QK + j];
             }
-            sacc += half_float(block) * in->scales[r * nblocks + b] * (float)dot;
+            sacc += read_half(block) * in->scales[r * nblocks + b] * (float)dot;
             if (qtype == Q4_1)
-                msum += half_float(block + 2) * in->sums[r * nblocks + b];
+                msum += read_half(block + 2) * in->sums[r * nblocks + b];
         }
         acc[r] = sacc + msum;
     }

@@ -4,11 +4,42 @@
 #ifndef LLMSERVE_KERNELS_H
 #define LLMSERVE_KERNELS_H
 
+#include <math.h>
 #include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define USE_AVX2 1
+#endif
 
 #define QK 32 /* weights per GGUF block */
 #define BLOCK_GEMV_MAX_ROWS 16
 enum { Q4_1 = 3, Q8_0 = 8 }; /* GGML type ids */
+
+/* The fp16 at p (a block's scale or minimum) as a float. */
+static inline float read_half(const uint8_t *p)
+{
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef USE_AVX2
+    return _cvtsh_ss(h);
+#else
+    const int exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    const float magnitude = exp == 0 ? ldexpf((float)mant, -24) : ldexpf((float)(mant | 0x400), exp - 25);
+    const float value = exp == 0x1f ? (mant ? NAN : INFINITY) : magnitude;
+    return h & 0x8000 ? -value : value;
+#endif
+}
+
+#ifdef USE_AVX2
+static inline float hsum(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(s);
+}
+#endif
 
 /* Bytes of one block of this type, or 0 for a type we do not read. */
 int64_t block_bytes(int qtype);
