@@ -35,11 +35,6 @@ static void unpack(const uint8_t *block, int qtype, float *q)
 }
 #endif
 
-int64_t block_bytes(int qtype)
-{
-    return qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : 0;
-}
-
 void block_sums(const float *x, int64_t rows, int64_t in, float *sums)
 {
     for (int64_t blk = 0; blk < rows * in / QK; blk++) {
@@ -99,7 +94,7 @@ INLINE __m256 block_dot(const __m256 q[4], const float *xb)
  * alternate so that no block waits on the previous one's sum. */
 INLINE float dot_one(const float *x, const float *xsum, int64_t nblocks, const uint8_t *w, int qtype)
 {
-    const int64_t stride = qtype == Q4_1 ? 20 : 34;
+    const int64_t stride = block_bytes(qtype);
     __m256 even = _mm256_setzero_ps(), odd = even;
     float msum = 0.0f;
     for (int64_t b = 0; b < nblocks; b++) {
@@ -121,7 +116,7 @@ INLINE float dot_one(const float *x, const float *xsum, int64_t nblocks, const u
 INLINE void dot_rows(const float *x, const float *xsum, int64_t rows, int64_t in, const uint8_t *w, int qtype,
                      float *acc)
 {
-    const int64_t stride = qtype == Q4_1 ? 20 : 34, nblocks = in / QK;
+    const int64_t stride = block_bytes(qtype), nblocks = in / QK;
     __m256 vacc[MAX_ROWS];
     float msum[MAX_ROWS] = {0};
     for (int64_t r = 0; r < rows; r++)

@@ -57,7 +57,7 @@ static inline __attribute__((always_inline)) __m256 int_dot(__m256i weights, __m
 /* One row: the decode of a single sequence, accumulators in registers. */
 static inline __attribute__((always_inline)) float dot_one(const BlockInput *in, const uint8_t *w, int qtype)
 {
-    const int64_t stride = qtype == Q4_1 ? 20 : 34, nblocks = in->in / QK;
+    const int64_t stride = block_bytes(qtype), nblocks = in->in / QK;
     __m256 vacc = _mm256_setzero_ps();
     float msum = 0.0f;
     for (int64_t b = 0; b < nblocks; b++) {
@@ -76,7 +76,7 @@ static inline __attribute__((always_inline)) float dot_one(const BlockInput *in,
 static inline __attribute__((always_inline)) void dot_rows(const BlockInput *in, const uint8_t *w, int qtype,
                                                            float *acc)
 {
-    const int64_t stride = qtype == Q4_1 ? 20 : 34, nblocks = in->in / QK, rows = in->rows;
+    const int64_t stride = block_bytes(qtype), nblocks = in->in / QK, rows = in->rows;
     __m256 vacc[BLOCK_GEMV_MAX_ROWS];
     float msum[BLOCK_GEMV_MAX_ROWS] = {0};
     for (int64_t r = 0; r < rows; r++)

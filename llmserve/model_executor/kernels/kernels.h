@@ -41,8 +41,12 @@ static inline float hsum(__m256 v)
 }
 #endif
 
-/* Bytes of one block of this type, or 0 for a type we do not read. */
-int64_t block_bytes(int qtype);
+/* Bytes of one block of this type, or 0 for a type we do not read. Inline, so that the kernels
+ * specialised per type see a constant stride. */
+static inline int64_t block_bytes(int qtype)
+{
+    return qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : 0;
+}
 
 /* Rows x [rows, in] as a block product reads them: with sums[r, b], the sum of block b of row r (the
  * Q4_1 minimum's term); or, when q is set, rounded to int8 per block (q [rows, in], scales and sums
