@@ -49,7 +49,7 @@ class ModelRunner:
         model.load_weights(iter_weights(source))
         quantization = model_config.quantization
         rounded = round_to_blocks(model, quantization) if quantization in BLOCK_TYPES else None
-        model.prepare_kernels(quantization)
+        model.prepare_kernels(quantization, self.native)
         if self.native and rounded is not None:
             model.attach_blocks(rounded, int8_activations=True)
         elif self.native and source.format == "gguf" and quantization == "none":

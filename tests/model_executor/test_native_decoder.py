@@ -43,7 +43,7 @@ def block_model(attention_bias: bool, quantization: str, int8_activations: bool 
             elif name.endswith("bias"):
                 param.normal_(0, 0.5)
     rounded = round_to_blocks(model, quantization)  # as the model runner does it
-    model.prepare_kernels(quantization)  # type: ignore[arg-type]
+    model.prepare_kernels(quantization, native_kernels=True)  # type: ignore[arg-type]
     model.attach_blocks(rounded, int8_activations)
     return model.eval()
 

@@ -1,6 +1,6 @@
 /* What the kernels share: GGUF block products (block_gemv.c with fp32 activations, block_q8.c with int8
- * ones) and one (sequence, KV head) of decode attention (paged_attention.c), which decoder_step.c strings
- * together. */
+ * ones), the packed fp32 product (gemm.c) and one (sequence, KV head) of decode attention
+ * (paged_attention.c), which decoder_step.c strings together. */
 #ifndef LLMSERVE_KERNELS_H
 #define LLMSERVE_KERNELS_H
 
@@ -10,6 +10,15 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define USE_AVX2 1
+/* gemm.c: W [n, k] as panels of GEMM_PANEL rows, [ceil(n / GEMM_PANEL)][k][GEMM_PANEL], zero-padded. */
+#define GEMM_PANEL 16
+void pack_weight(const float *w, int64_t n, int64_t k, float *packed);
+
+/* y [m, n] = x [m, k] @ W.T (+ bias) (+ y when `accumulate`), for this thread's share of the panels:
+ * called by every thread of a parallel region. */
+void gemm_share(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
+                float *y, int accumulate);
+
 #endif
 
 #define QK 32 /* weights per GGUF block */
@@ -28,6 +37,15 @@ static inline float read_half(const uint8_t *p)
     const float magnitude = exp == 0 ? ldexpf((float)mant, -24) : ldexpf((float)(mant | 0x400), exp - 25);
     const float value = exp == 0x1f ? (mant ? NAN : INFINITY) : magnitude;
     return h & 0x8000 ? -value : value;
+/* gemm.c: W [n, k] as panels of GEMM_PANEL rows, [ceil(n / GEMM_PANEL)][k][GEMM_PANEL], zero-padded. */
+#define GEMM_PANEL 16
+void pack_weight(const float *w, int64_t n, int64_t k, float *packed);
+
+/* y [m, n] = x [m, k] @ W.T (+ bias) (+ y when `accumulate`), for this thread's share of the panels:
+ * called by every thread of a parallel region. */
+void gemm_share(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
+                float *y, int accumulate);
+
 #endif
 }
 
@@ -39,6 +57,15 @@ static inline float hsum(__m256 v)
     s = _mm_hadd_ps(s, s);
     return _mm_cvtss_f32(s);
 }
+/* gemm.c: W [n, k] as panels of GEMM_PANEL rows, [ceil(n / GEMM_PANEL)][k][GEMM_PANEL], zero-padded. */
+#define GEMM_PANEL 16
+void pack_weight(const float *w, int64_t n, int64_t k, float *packed);
+
+/* y [m, n] = x [m, k] @ W.T (+ bias) (+ y when `accumulate`), for this thread's share of the panels:
+ * called by every thread of a parallel region. */
+void gemm_share(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
+                float *y, int accumulate);
+
 #endif
 
 /* Bytes of one block of this type, or 0 for a type we do not read. Inline, so that the kernels
@@ -78,5 +105,14 @@ void q8_dot_rows(const BlockInput *in, const uint8_t *w, int qtype, float *acc);
 void attend_one(const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t len,
                 float *out, int64_t group, int64_t head_dim, int64_t block_size, int64_t head_stride, float scale,
                 float *scores);
+
+/* gemm.c: W [n, k] as panels of GEMM_PANEL rows, [ceil(n / GEMM_PANEL)][k][GEMM_PANEL], zero-padded. */
+#define GEMM_PANEL 16
+void pack_weight(const float *w, int64_t n, int64_t k, float *packed);
+
+/* y [m, n] = x [m, k] @ W.T (+ bias) (+ y when `accumulate`), for this thread's share of the panels:
+ * called by every thread of a parallel region. */
+void gemm_share(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
+                float *y, int accumulate);
 
 #endif

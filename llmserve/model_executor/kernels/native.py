@@ -7,6 +7,7 @@ cache key includes the CPU's flags. Without a compiler the callers keep the PyTo
 - `paged_attention.c`: decode attention reading the paged KV cache in place.
 - `block_gemv.c`: a few rows times a weight kept in its GGUF blocks (Q4_1, Q8_0); `block_q8.c` the
   same with the rows rounded to int8 (`--quantization int8|int4`).
+- `gemm.c`: fp32 rows times a weight packed once into panels, for batches and prefill.
 - `decoder_step.c`: a decode step of a few sequences through every decoder layer, from those two.
 """
 
@@ -60,6 +61,8 @@ def load_library() -> ctypes.CDLL | None:
         ctypes.c_int,
     ]
     library.block_gemv.restype = ctypes.c_int
+    library.pack_weight.argtypes = [_PTR, _I64, _I64, _PTR]
+    library.gemm.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, ctypes.c_int]
     spec, i64, ptr = ctypes.POINTER(DecoderSpec), _I64, _PTR
     library.decoder_step.argtypes = [spec, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int]
     library.decoder_step.restype = ctypes.c_int
@@ -151,6 +154,41 @@ def block_gemv(
         raise ValueError(
             f"block_gemv cannot take x {tuple(x.shape)} with block type {qtype} (status {status})."
         )
+    return y
+
+
+GEMM_PANEL = 16  # weight rows per packed panel (gemm.c)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """W [out, in] fp32 → the panels `gemm` reads, [ceil(out / 16), in, 16], the last zero-padded."""
+    library = load_library()
+    assert library is not None, "check load_library() first"
+    weight = weight.detach().contiguous()
+    out_features, in_features = weight.shape
+    packed = torch.empty(-(-out_features // GEMM_PANEL), in_features, GEMM_PANEL, dtype=torch.float32)
+    library.pack_weight(weight.data_ptr(), out_features, in_features, packed.data_ptr())
+    return packed
+
+
+def gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] fp32 @ W.T (+ bias), W packed by `pack_weight`."""
+    library = load_library()
+    assert library is not None, "check load_library() first"
+    x = x.contiguous()
+    if x.shape[1] != packed.shape[1]:
+        raise ValueError(f"gemm: x has {x.shape[1]} features, the weight {packed.shape[1]}.")
+    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    library.gemm(
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        packed.data_ptr(),
+        out_features,
+        0 if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
     return y
 
 

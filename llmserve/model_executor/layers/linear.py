@@ -1,8 +1,10 @@
 """Linear layers whose CPU kernel is chosen once, after the weights are loaded.
 
-- fp32 through oneDNN with the weight pre-packed: PyTorch's default CPU path (MKL sgemm) is slow for
-  the short, wide products of decoding (a few to a few dozen rows against a large weight), especially on
-  AMD CPUs: measured here 2-4x slower than oneDNN with a packed weight at 8-64 rows.
+- fp32 through our C kernel with the weight packed once (`kernels/gemm.c`), where the kernels build:
+  measured here 1.2-1.5x oneDNN's throughput at 9-128 rows and as fast or faster above, and a row's
+  result does not depend on its batch. Else oneDNN with the weight pre-packed: PyTorch's default CPU
+  path (MKL sgemm) is slow for the short, wide products of decoding (a few to a few dozen rows against a
+  large weight), especially on AMD CPUs: measured here 2-4x slower than oneDNN at 8-64 rows.
 - `fp16`: weights stored in fp16, computed in fp32 (fbgemm). Decode is bandwidth-bound, so halving the
   weight bytes nearly halves a small batch's step (measured here: 2x at 1 row, 1.2x at 64 rows).
   For int8/int4 see `quantization.py`: PyTorch's weight-only int8/int4 CPU kernels
@@ -37,9 +39,9 @@ class LinearKernel(Protocol):
 class Linear(nn.Linear):
     kernel: LinearKernel | None = None
 
-    def prepare(self, quantization: Quantization) -> None:
+    def prepare(self, quantization: Quantization, native_kernels: bool) -> None:
         """After the weights are loaded. A kernel keeps its own copy, so the plain weight is freed."""
-        self.kernel = make_kernel(self.weight, self.bias, quantization)
+        self.kernel = make_kernel(self.weight, self.bias, quantization, native_kernels)
         if self.kernel is not None:
             self.weight.data = self.weight.data.new_empty(0)
 
@@ -50,14 +52,17 @@ class Linear(nn.Linear):
 
 
 def make_kernel(
-    weight: torch.Tensor, bias: torch.Tensor | None, quantization: Quantization
+    weight: torch.Tensor, bias: torch.Tensor | None, quantization: Quantization, native_kernels: bool
 ) -> LinearKernel | None:
-    """The fastest kernel for this weight, or None for plain `F.linear` (GPUs, reduced precision)."""
+    """The fastest kernel for this weight, or None for plain `F.linear` (GPUs, reduced precision).
+    `native_kernels`: our C kernels loaded (see `kernels/native.py`) and may be used."""
     on_cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
     if quantization == "fp16":
         if not on_cpu_fp32:
             raise ValueError("quantization='fp16' runs on CPU with dtype float32 only.")
         return Fp16WeightKernel(weight, bias)
+    if on_cpu_fp32 and native_kernels:
+        return PackedKernel(weight, bias)
     if on_cpu_fp32 and torch.backends.mkldnn.is_available():
         return OneDNNKernel(weight, bias)
     return None
@@ -70,6 +75,16 @@ class OneDNNKernel:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class PackedKernel:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.packed = native.pack_weight(weight)
+        self.out_features = weight.shape[0]
+        self.bias = None if bias is None else bias.detach().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return native.gemm(x, self.packed, self.out_features, self.bias)
 
 
 class Fp16WeightKernel:

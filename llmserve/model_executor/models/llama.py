@@ -126,12 +126,12 @@ class LlamaForCausalLM(nn.Module):
             return self.logits_kernel(hidden).float()
         return F.linear(hidden, self.lm_head_weight).float()
 
-    def prepare_kernels(self, quantization: Quantization) -> None:
+    def prepare_kernels(self, quantization: Quantization, native_kernels: bool) -> None:
         """Choose every projection's kernel, the output one included (see `layers/linear.py`)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepare(quantization)
-        self.logits_kernel = make_kernel(self.lm_head_weight, None, quantization)
+                module.prepare(quantization, native_kernels)
+        self.logits_kernel = make_kernel(self.lm_head_weight, None, quantization, native_kernels)
 
     def attach_blocks(
         self, blocks: Iterable[tuple[str, int, torch.Tensor]], int8_activations: bool = False
