@@ -15,51 +15,185 @@
 
 #include "kernels.h"
 
+#ifdef USE_AVX2
+/* e^x for 8 lanes, x <= 0 here (scores minus their maximum): Cephes' range reduction to
+ * x = n ln 2 + r, |r| <= ln 2 / 2, and its degree-5 polynomial, within 2 ulp of expf. */
+static inline __m256 exp8(__m256 x)
+{
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+}
+
+/* s[0..len) = e^(s - max(s)); returns their sum. */
+static float softmax_numerators(float *s, int64_t len)
+{
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 8 <= len; t += 8)
+        m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + t));
+    float m[8], max = -INFINITY;
+    _mm256_storeu_ps(m, m8);
+    for (int i = 0; i < 8; i++)
+        max = m[i] > max ? m[i] : max;
+    for (; t < len; t++)
+        max = s[t] > max ? s[t] : max;
+    const __m256 max8 = _mm256_set1_ps(max);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= len; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), max8));
+        _mm256_storeu_ps(s + t, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    float sum = hsum(sum8);
+    if (t < len) { /* the tail through the same exp8, so that every score is rounded alike */
+        float tail[8] = {0};
+        memcpy(tail, s + t, sizeof(float) * (size_t)(len - t));
+        _mm256_storeu_ps(tail, exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), max8)));
+        for (int64_t i = 0; t + i < len; i++) {
+            s[t + i] = tail[i];
+            sum += tail[i];
+        }
+    }
+    return sum;
+}
+
+/* The four dot products q . k[0..3] (head_dim values each, a multiple of 8), as 4 lanes. */
+static inline __m128 dot4(const float *q, const float *k, int64_t head_dim)
+{
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < head_dim; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + d), a0);
+        a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + head_dim + d), a1);
+        a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 2 * head_dim + d), a2);
+        a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 3 * head_dim + d), a3);
+    }
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* o[0..head_dim) += the sum over t < n of p[t] * v[t]: o stays in registers for the block. */
+static inline void weigh_values(const float *v, const float *p, int64_t n, int64_t head_dim, float *o)
+{
+    int64_t d = 0;
+    for (; d + 64 <= head_dim; d += 64) {
+        __m256 acc[8];
+        _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) acc[i] = _mm256_loadu_ps(o + d + 8 * i);
+        for (int64_t t = 0; t < n; t++) {
+            const __m256 pt = _mm256_broadcast_ss(p + t);
+            _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++)
+                acc[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + t * head_dim + d + 8 * i), acc[i]);
+        }
+        _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) _mm256_storeu_ps(o + d + 8 * i, acc[i]);
+    }
+    for (; d < head_dim; d += 8) {
+        __m256 acc = _mm256_loadu_ps(o + d);
+        for (int64_t t = 0; t < n; t++)
+            acc = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), _mm256_loadu_ps(v + t * head_dim + d), acc);
+        _mm256_storeu_ps(o + d, acc);
+    }
+}
+
+/* Rows [t, t + 4) of the next block, head_dim floats each, towards the cache while this one computes. */
+static inline void prefetch_rows(const float *next, int64_t t, int64_t head_dim)
+{
+    if (next != NULL)
+        for (int64_t i = t * head_dim; i < (t + 4) * head_dim; i += 16)
+            _mm_prefetch((const char *)(next + i), _MM_HINT_T0);
+}
+#endif
+
+/* Scores of `group` query heads against the cached keys, block by block of the table; e^(score - max)
+ * of each, then out = their weighted sum of the values / the sum of the weights. The next block is
+ * prefetched while one computes: the blocks lie scattered, out of the hardware prefetcher's sight. */
 void attend_one(
     const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t len,
     float *out, int64_t group, int64_t head_dim, int64_t block_size, int64_t head_stride, float scale,
     float *scores)
 {
-    for (int64_t t = 0; t < len; t++) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const float *k = k_cache + head_stride + slot * head_dim;
+    const int64_t blocks = (len + block_size - 1) / block_size, block_floats = block_size * head_dim;
+#ifdef USE_AVX2
+    const int vector = head_dim % 8 == 0 && block_size % 4 == 0;
+#endif
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *k = k_cache + head_stride + table[b] * block_floats;
+        const int64_t t0 = b * block_size, n = len - t0 < block_size ? len - t0 : block_size;
         for (int64_t g = 0; g < group; g++) {
             const float *qg = q + g * head_dim;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; d++)
-                dot += qg[d] * k[d];
-            scores[g * len + t] = dot * scale;
+            float *s = scores + g * len + t0;
+            int64_t t = 0;
+#ifdef USE_AVX2
+            const float *next = g == 0 && b + 1 < blocks ? k_cache + head_stride + table[b + 1] * block_floats : NULL;
+            for (; vector && t + 4 <= n; t += 4) {
+                prefetch_rows(next, t, head_dim);
+                _mm_storeu_ps(s + t, _mm_mul_ps(dot4(qg, k + t * head_dim, head_dim), _mm_set1_ps(scale)));
+            }
+#endif
+            for (; t < n; t++) {
+                float dot = 0.0f;
+                for (int64_t d = 0; d < head_dim; d++)
+                    dot += qg[d] * k[t * head_dim + d];
+                s[t] = dot * scale;
+            }
         }
     }
+    float inverse[group];
     for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * len;
-        float max = -INFINITY;
-        for (int64_t t = 0; t < len; t++)
-            max = s[t] > max ? s[t] : max;
-        float sum = 0.0f;
-        for (int64_t t = 0; t < len; t++) {
-            s[t] = expf(s[t] - max);
-            sum += s[t];
+        float *s = scores + g * len, sum = 0.0f;
+#ifdef USE_AVX2
+        if (vector)
+            sum = softmax_numerators(s, len);
+        else
+#endif
+        {
+            float max = -INFINITY;
+            for (int64_t t = 0; t < len; t++)
+                max = s[t] > max ? s[t] : max;
+            for (int64_t t = 0; t < len; t++) {
+                s[t] = expf(s[t] - max);
+                sum += s[t];
+            }
         }
-        const float inv = 1.0f / sum;
-        for (int64_t t = 0; t < len; t++)
-            s[t] *= inv;
-        float *o = out + g * head_dim;
+        inverse[g] = 1.0f / sum;
         for (int64_t d = 0; d < head_dim; d++)
-            o[d] = 0.0f;
+            out[g * head_dim + d] = 0.0f;
     }
-    for (int64_t t = 0; t < len; t++) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const float *v = v_cache + head_stride + slot * head_dim;
-        for (int64_t g = 0; g < group; g++) {
-            const float p = scores[g * len + t];
-            float *o = out + g * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; d++)
-                o[d] += p * v[d];
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *v = v_cache + head_stride + table[b] * block_floats;
+        const int64_t t0 = b * block_size, n = len - t0 < block_size ? len - t0 : block_size;
+#ifdef USE_AVX2
+        if (vector) {
+            const float *next = b + 1 < blocks ? v_cache + head_stride + table[b + 1] * block_floats : NULL;
+            for (int64_t t = 0; t < block_size; t += 4)
+                prefetch_rows(next, t, head_dim);
+            for (int64_t g = 0; g < group; g++)
+                weigh_values(v, scores + g * len + t0, n, head_dim, out + g * head_dim);
+            continue;
         }
+#endif
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t g = 0; g < group; g++) {
+                const float p = scores[g * len + t0 + t];
+                float *o = out + g * head_dim;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++)
+                    o[d] += p * v[t * head_dim + d];
+            }
     }
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t d = 0; d < head_dim; d++)
+            out[g * head_dim + d] *= inverse[g];
 }
 
 /* q, out: [batch, heads, head_dim]; caches: [kv_heads, num_blocks, block_size, head_dim];
