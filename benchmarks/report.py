@@ -80,13 +80,15 @@ def batched_bench_rows(doc: dict[str, Any]) -> list[Row]:
         return []
     name, rows = PEER_NAMES["llama-batched-bench"], []
     for level in bench["levels"]:
-        ours, theirs = level["llmserve"]["output_tok_per_s"], level["llama_batched_bench"]
+        mine, theirs = level["llmserve"], level["llama_batched_bench"]
+        ours, our_tg = mine["output_tok_per_s"], mine.get("gen_tok_per_s")
         if theirs is None:
             peer = f"{name}: skipped"
         else:
             out, tg = theirs["output_tok_per_s"], theirs["gen_tok_per_s"]
-            peer = f"{name}: {out:.1f} tok/s ({ours / out:.2f}×); decode alone (S_TG) {tg:.1f} tok/s "
-            peer += f"({ours / tg:.2f}×)"
+            peer = f"{name}: {out:.1f} tok/s ({ours / out:.2f}×); decode alone (S_TG) {tg:.1f} tok/s"
+            if our_tg is not None:
+                peer += f", ours {our_tg:.1f} ({our_tg / tg:.2f}×)"
         sizes = f"{level['sequences']} prompts of {bench['prompt_len']} tokens, {bench['output_len']} out"
         what = f"offline, {sizes} (llama-batched-bench's shape)"
         rows.append((what, doc["command"], f"{ours:.1f} tok/s", peer))

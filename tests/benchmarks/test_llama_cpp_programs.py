@@ -67,11 +67,19 @@ def test_batched_bench_ratio_is_of_whole_runs_and_a_missing_level_is_none(
     args = argparse.Namespace(batched_bench_input=128, output_len=128)
     works = [Workload([[1] * 128], 128), Workload([[1] * 128] * 64, 128)]
     theirs = [BatchedBenchRow(1, 128, 128, 2.0, 1000.0, 91.0, 128.0)]
-    result = report_batched_bench(args, works, [4.0, 60.0], theirs)
+    result = report_batched_bench(args, works, [4.0, 60.0], [1.46, 20.0], theirs)
     one, many = result["levels"]
-    assert one["llmserve"] == {"seconds": 4.0, "total_tok_per_s": 64.0, "output_tok_per_s": 32.0}
+    assert one["llmserve"] == {
+        "seconds": 4.0,
+        "total_tok_per_s": 64.0,
+        "output_tok_per_s": 32.0,
+        "prefill_seconds": 1.46,
+        "gen_tok_per_s": pytest.approx(127 / 2.54),  # the 127 tokens after the prefill's, in 4 - 1.46 s
+    }
     assert one["llama_batched_bench"]["output_tok_per_s"] == 64.0 and many["llama_batched_bench"] is None
-    assert "0.50x" in capsys.readouterr().out  # their 2 s over our 4 s
+    out = capsys.readouterr().out
+    assert "0.50x" in out  # their 2 s over our 4 s
+    assert f"{127 / 2.54 / 91:.2f}x" in out  # decode alone: ours 50.0 tok/s, their S_TG 91
 
 
 def test_serving_ratios_are_ours_over_each_peer(capsys: pytest.CaptureFixture[str]) -> None:

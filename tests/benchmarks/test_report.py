@@ -86,14 +86,15 @@ def test_serving_row_names_each_peer_with_our_ratio() -> None:
 
 def test_batched_bench_levels_follow_the_throughput_rows() -> None:
     bench = {"prompt_len": 128, "output_len": 128, "skipped": None, "levels": [
-        {"sequences": 1, "llmserve": {"output_tok_per_s": 45.5},
+        {"sequences": 1, "llmserve": {"output_tok_per_s": 45.5, "gen_tok_per_s": 91.0},
          "llama_batched_bench": {"output_tok_per_s": 91.0, "gen_tok_per_s": 182.0}},
         {"sequences": 64, "llmserve": {"output_tok_per_s": 171.0}, "llama_batched_bench": None}]}  # fmt: skip
     throughput = {"input": [32, 512], "output_len": 128, "workloads": [], "llama_batched_bench": bench}
     rows = report.throughput_rows(doc("throughput", throughput))
     assert [(what, ours, peers) for what, _, ours, peers in rows] == [
         ("offline, 1 prompts of 128 tokens, 128 out (llama-batched-bench's shape)", "45.5 tok/s",
-         "llama.cpp `llama-batched-bench`: 91.0 tok/s (0.50×); decode alone (S_TG) 182.0 tok/s (0.25×)"),
+         "llama.cpp `llama-batched-bench`: 91.0 tok/s (0.50×); "
+         "decode alone (S_TG) 182.0 tok/s, ours 91.0 (0.50×)"),
         ("offline, 64 prompts of 128 tokens, 128 out (llama-batched-bench's shape)", "171.0 tok/s",
          "llama.cpp `llama-batched-bench`: skipped"),
     ]  # fmt: skip

@@ -14,14 +14,23 @@
 
 #include "kernels.h"
 
+/* A block's int8 scale, max|x| / 127, and the factor that rounds to it (0 for an all-zero block). */
+static inline float block_scale(const float *xb, float *inverse)
+{
+    float amax = 0.0f;
+    for (int j = 0; j < QK; j++)
+        amax = fmaxf(amax, fabsf(xb[j]));
+    const float s = amax / 127.0f;
+    *inverse = s != 0.0f ? 1.0f / s : 0.0f;
+    return s;
+}
+
 void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *q, float *scales, float *sums)
 {
     for (int64_t blk = 0; blk < rows * in / QK; blk++) {
         const float *xb = x + blk * QK;
-        float amax = 0.0f;
-        for (int j = 0; j < QK; j++)
-            amax = fmaxf(amax, fabsf(xb[j]));
-        const float s = amax / 127.0f, inv = s != 0.0f ? 1.0f / s : 0.0f;
+        float inv;
+        const float s = block_scale(xb, &inv);
         int sum = 0;
         for (int j = 0; j < QK; j++) {
             q[blk * QK + j] = (int8_t)nearbyintf(xb[j] * inv);
@@ -29,6 +38,17 @@ void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *q, float *s
         }
         scales[blk] = s;
         sums[blk] = s * (float)sum;
+    }
+}
+
+void round_rows(const float *x, int64_t rows, int64_t in, float *out)
+{
+    for (int64_t blk = 0; blk < rows * in / QK; blk++) {
+        const float *xb = x + blk * QK;
+        float inv;
+        const float s = block_scale(xb, &inv);
+        for (int j = 0; j < QK; j++)
+            out[blk * QK + j] = nearbyintf(xb[j] * inv) * s;
     }
 }
 

@@ -1,10 +1,14 @@
-/* A decode step of a few sequences through every decoder layer in one call, for CPUs.
+/* A decode step of any number of sequences through every decoder layer in one call, for CPUs.
  *
  * At one to a few rows the projections read GGUF blocks (block_gemv.c) in ~1/3 ms a layer, but the same
  * layer written as PyTorch ops is some fifty calls of 2-17 us each: half of a single-stream step went to
  * them. Here the whole stack runs in one OpenMP parallel region, the threads meeting at a barrier after
  * each projection: RMSNorm -> QKV -> RoPE -> KV write -> paged attention -> o_proj + residual ->
  * RMSNorm -> gate/up -> SiLU * up -> down + residual, per layer, then the final RMSNorm.
+ *
+ * Steps of more than `block_rows` rows, and models without blocks, multiply the packed fp32 weights
+ * (gemm.c) instead, as the PyTorch path's kernels do at that size; the norms, RoPE and SiLU are then
+ * split between the threads by rows.
  *
  * It computes what the PyTorch path computes (same weights, same fp32 arithmetic, rotate-half RoPE from
  * the same tables), only summing in another order.
@@ -17,7 +21,8 @@
 #include "kernels.h"
 
 typedef struct {
-    const uint8_t *blocks; /* [out, in / 32] GGUF blocks */
+    const uint8_t *blocks; /* [out, in / 32] GGUF blocks, or NULL */
+    const float *packed;   /* the same weight in fp32, as gemm.c's panels */
     const float *bias;     /* [out] or NULL */
     int64_t qtype;
 } Projection;
@@ -32,6 +37,7 @@ typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int64_t num_blocks, block_size;
     int64_t int8_activations; /* round each projection's input as block_q8.c does */
+    int64_t block_rows;       /* steps of up to this many rows read the blocks, when there are */
     float eps, scale;
     const LayerSpec *layers;
     const float *rope_cos, *rope_sin; /* [max_positions, head_dim / 2] */
@@ -66,9 +72,47 @@ static void rope(float *x, int64_t heads, int64_t head_dim, const float *cos, co
     }
 }
 
-/* y[r, o] (+)= x[r] . W[o] + bias[o], y: [rows, out], for this thread's share of the outputs; `accumulate` adds into y. */
-static void project(const Projection *p, const BlockInput *x, int64_t out, float *y, int accumulate)
+typedef struct {
+    const int64_t *positions, *slots, *block_tables, *seq_lens; /* see decoder_step */
+    int64_t rows, max_blocks, max_len;
+    int read_blocks;  /* this step's projections read the blocks, else the packed weights */
+    float *normed;    /* [rows, max(hidden, q_size)]: the normed residual, then the attention output */
+    float *wide;      /* [rows, max(qkv width, intermediate)]: the QKV, then the MLP's hidden */
+    float *gate_up;   /* [rows, 2 intermediate] from the packed weights */
+    BlockInput input; /* whichever feeds the next projection, as the blocks read it */
+    float *sums;      /* its block sums, then its int8 scales */
+    int8_t *q;        /* its int8 rounding, or NULL for fp32 activations */
+    float *rounded;   /* the same rounding in fp32, for the packed weights */
+    float *scores;    /* [threads, group, max_len] */
+} Step;
+
+/* Point the step's input at x [rows, in], as the next projection reads it; by every thread. */
+static void feed(const DecoderSpec *s, Step *t, const float *x, int64_t in)
 {
+    if (!t->read_blocks && s->int8_activations) {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < t->rows; r++)
+            round_rows(x + r * in, 1, in, t->rounded + r * in);
+        x = t->rounded;
+    }
+#pragma omp single
+    {
+        t->input.x = x;
+        t->input.in = in;
+        if (t->read_blocks)
+            prepare_input(&t->input, t->sums, t->q, t->sums + t->rows * in / QK);
+    }
+}
+
+/* y[r, o] (+)= x[r] . W[o] + bias[o], y: [rows, out], for this thread's share of the outputs; `accumulate` adds into y. */
+static void project(const Projection *p, const Step *t, int64_t out, float *y, int accumulate)
+{
+    if (!t->read_blocks) {
+        gemm_share(t->input.x, t->rows, t->input.in, p->packed, out, p->bias, y, accumulate);
+#pragma omp barrier
+        return;
+    }
+    const BlockInput *x = &t->input;
     const int64_t row_bytes = x->in / QK * block_bytes((int)p->qtype), rows = x->rows;
 #pragma omp for schedule(static)
     for (int64_t o = 0; o < out; o++) {
@@ -81,9 +125,25 @@ static void project(const Projection *p, const BlockInput *x, int64_t out, float
     }
 }
 
-/* SiLU(gate) * up for this thread's share of the intermediate features, gate and up read together. */
-static void gate_up_silu(const Projection *p, const BlockInput *x, int64_t inter, float *h)
+static inline float silu(float x)
 {
+    return x / (1.0f + expf(-x));
+}
+
+/* h = SiLU(gate) * up for this thread's share of the intermediate features (gate and up read together
+ * from the blocks), or of the rows (after the packed product of both). */
+static void gate_up_silu(const Projection *p, const Step *t, int64_t inter, float *h)
+{
+    if (!t->read_blocks) {
+        gemm_share(t->input.x, t->rows, t->input.in, p->packed, 2 * inter, p->bias, t->gate_up, 0);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < t->rows; r++)
+            for (int64_t o = 0; o < inter; o++)
+                h[r * inter + o] = silu(t->gate_up[r * 2 * inter + o]) * t->gate_up[r * 2 * inter + inter + o];
+        return;
+    }
+    const BlockInput *x = &t->input;
     const int64_t row_bytes = x->in / QK * block_bytes((int)p->qtype), rows = x->rows;
 #pragma omp for schedule(static)
     for (int64_t o = 0; o < inter; o++) {
@@ -91,17 +151,19 @@ static void gate_up_silu(const Projection *p, const BlockInput *x, int64_t inter
         block_gemv_row(x, p->blocks + o * row_bytes, (int)p->qtype, gate);
         block_gemv_row(x, p->blocks + (inter + o) * row_bytes, (int)p->qtype, up);
         for (int64_t r = 0; r < rows; r++)
-            h[r * inter + o] = gate[r] / (1.0f + expf(-gate[r])) * up[r];
+            h[r * inter + o] = silu(gate[r]) * up[r];
     }
 }
 
-/* RoPE on this step's queries and keys, then its keys and values into their cache slots. */
+/* RoPE on this step's queries and keys, then its keys and values into their cache slots; rows split
+ * between the threads. */
 static void rope_and_store(const DecoderSpec *s, const LayerSpec *layer, float *qkv, int64_t rows,
                            const int64_t *positions, const int64_t *slots)
 {
     const int64_t half = s->head_dim / 2, q_size = s->num_heads * s->head_dim;
     const int64_t kv_size = s->num_kv_heads * s->head_dim, width = q_size + 2 * kv_size;
     const int64_t head_stride = s->num_blocks * s->block_size * s->head_dim;
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         float *q = qkv + r * width, *k = q + q_size, *v = k + kv_size;
         const float *cos = s->rope_cos + positions[r] * half, *sin = s->rope_sin + positions[r] * half;
@@ -117,28 +179,17 @@ static void rope_and_store(const DecoderSpec *s, const LayerSpec *layer, float *
     }
 }
 
-typedef struct {
-    const int64_t *positions, *slots, *block_tables, *seq_lens; /* see decoder_step */
-    int64_t rows, max_blocks, max_len;
-    float *normed;  /* [rows, max(hidden, q_size)]: the normed residual, then the attention output */
-    float *wide;    /* [rows, max(qkv width, intermediate)]: the QKV, then the MLP's hidden */
-    BlockInput input; /* whichever feeds the next projection, as the blocks read it */
-    float *sums;      /* its block sums, then its int8 scales */
-    int8_t *q;        /* its int8 rounding, or NULL for fp32 activations */
-    float *scores;    /* [threads, group, max_len] */
-} Step;
-
-/* Point the step's block input at x [rows, in] (by the one thread of a `single`). */
-static void feed(Step *t, const float *x, int64_t in)
-{
-    t->input.x = x;
-    t->input.in = in;
-    prepare_input(&t->input, t->sums, t->q, t->sums + t->rows * in / QK);
-}
-
 static int64_t max64(int64_t a, int64_t b)
 {
     return a > b ? a : b;
+}
+
+/* RMSNorm of each row of x [rows, n] into out, rows split between the threads. */
+static void norm_rows(const float *x, const float *weight, int64_t rows, int64_t n, float eps, float *out)
+{
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        rms_norm(x + r * n, weight, 1, n, eps, out + r * n);
 }
 
 /* One decoder layer; called by every thread of the parallel region. */
@@ -147,13 +198,9 @@ static void layer_step(const DecoderSpec *s, const LayerSpec *layer, Step *t, fl
     const int64_t hidden = s->hidden, inter = s->intermediate, rows = t->rows;
     const int64_t group = s->num_heads / s->num_kv_heads, q_size = s->num_heads * s->head_dim;
     const int64_t qkv_width = q_size + 2 * s->num_kv_heads * s->head_dim;
-#pragma omp single
-    {
-        rms_norm(x, layer->input_norm, rows, hidden, s->eps, t->normed);
-        feed(t, t->normed, hidden);
-    }
-    project(&layer->qkv, &t->input, qkv_width, t->wide, 0);
-#pragma omp single
+    norm_rows(x, layer->input_norm, rows, hidden, s->eps, t->normed);
+    feed(s, t, t->normed, hidden);
+    project(&layer->qkv, t, qkv_width, t->wide, 0);
     rope_and_store(s, layer, t->wide, rows, t->positions, t->slots);
 #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t r = 0; r < rows; r++)
@@ -164,18 +211,13 @@ static void layer_step(const DecoderSpec *s, const LayerSpec *layer, Step *t, fl
                        group, s->head_dim, s->block_size, h * s->num_blocks * s->block_size * s->head_dim,
                        s->scale, t->scores + omp_get_thread_num() * group * t->max_len);
         }
-#pragma omp single
-    feed(t, t->normed, q_size);
-    project(&layer->o, &t->input, hidden, x, 1);
-#pragma omp single
-    {
-        rms_norm(x, layer->post_norm, rows, hidden, s->eps, t->normed);
-        feed(t, t->normed, hidden);
-    }
-    gate_up_silu(&layer->gate_up, &t->input, inter, t->wide);
-#pragma omp single
-    feed(t, t->wide, inter);
-    project(&layer->down, &t->input, hidden, x, 1);
+    feed(s, t, t->normed, q_size);
+    project(&layer->o, t, hidden, x, 1);
+    norm_rows(x, layer->post_norm, rows, hidden, s->eps, t->normed);
+    feed(s, t, t->normed, hidden);
+    gate_up_silu(&layer->gate_up, t, inter, t->wide);
+    feed(s, t, t->wide, inter);
+    project(&layer->down, t, hidden, x, 1);
 }
 
 /* x: [rows, hidden], the embedded tokens, used as the residual stream (overwritten); out: [rows, hidden]
@@ -185,23 +227,33 @@ int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const
                  const int64_t *block_tables, const int64_t *seq_lens, int64_t rows, int64_t max_blocks,
                  float *out, int num_threads)
 {
-    if (rows < 1 || rows > BLOCK_GEMV_MAX_ROWS || s->hidden % QK || s->intermediate % QK)
+    const int read_blocks = s->layers[0].qkv.blocks != NULL && rows <= s->block_rows;
+    if (rows < 1 || (read_blocks && rows > BLOCK_GEMV_MAX_ROWS) ||
+        ((read_blocks || s->int8_activations) && (s->hidden % QK || s->intermediate % QK)))
         return -1;
     const int64_t q_size = s->num_heads * s->head_dim, group = s->num_heads / s->num_kv_heads;
     const int64_t wide = max64(q_size + 2 * s->num_kv_heads * s->head_dim, s->intermediate);
     const int64_t narrow = max64(s->hidden, q_size);
     const int64_t widest = max64(narrow, wide);
     Step t = {.positions = positions, .slots = slots, .block_tables = block_tables, .seq_lens = seq_lens,
-              .rows = rows, .max_blocks = max_blocks, .max_len = 1, .input = {.rows = rows}};
+              .rows = rows, .max_blocks = max_blocks, .max_len = 1, .read_blocks = read_blocks,
+              .input = {.rows = rows}};
     for (int64_t r = 0; r < rows; r++)
         t.max_len = max64(t.max_len, seq_lens[r]);
     t.normed = malloc(sizeof(float) * rows * narrow);
     t.wide = malloc(sizeof(float) * rows * wide);
-    t.sums = malloc(sizeof(float) * rows * widest / QK * 2);
-    t.q = s->int8_activations ? malloc((size_t)(rows * widest)) : NULL;
     t.scores = malloc(sizeof(float) * num_threads * group * t.max_len);
-    const int status = t.normed && t.wide && t.sums && t.scores && (t.q || !s->int8_activations) ? 0 : -2;
-    if (status == 0) {
+    int ready = t.normed && t.wide && t.scores;
+    if (read_blocks) {
+        t.sums = malloc(sizeof(float) * rows * widest / QK * 2);
+        t.q = s->int8_activations ? malloc((size_t)(rows * widest)) : NULL;
+        ready = ready && t.sums && (t.q || !s->int8_activations);
+    } else {
+        t.gate_up = malloc(sizeof(float) * rows * 2 * s->intermediate);
+        t.rounded = s->int8_activations ? malloc(sizeof(float) * rows * widest) : NULL;
+        ready = ready && t.gate_up && (t.rounded || !s->int8_activations);
+    }
+    if (ready) {
 #pragma omp parallel num_threads(num_threads)
         for (int64_t l = 0; l < s->num_layers; l++)
             layer_step(s, &s->layers[l], &t, x);
@@ -209,8 +261,10 @@ int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const
     }
     free(t.normed);
     free(t.wide);
+    free(t.scores);
     free(t.sums);
     free(t.q);
-    free(t.scores);
-    return status;
+    free(t.gate_up);
+    free(t.rounded);
+    return ready ? 0 : -2;
 }

@@ -94,6 +94,10 @@ void block_sums(const float *x, int64_t rows, int64_t in, float *sums);
 /* x rounded to int8 per block of 32: q, the blocks' scales, and scale * sum(q) for each. */
 void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *q, float *scales, float *sums);
 
+/* x rounded to int8 per block of 32 and back to fp32 (what the int8 blocks multiply), for the products
+ * of more rows than the blocks take: out [rows, in]. */
+void round_rows(const float *x, int64_t rows, int64_t in, float *out);
+
 /* acc[r] = x[r] . w for one output row w of in / 32 blocks, for rows <= BLOCK_GEMV_MAX_ROWS. */
 void block_gemv_row(const BlockInput *in, const uint8_t *w, int qtype, float *acc);
 

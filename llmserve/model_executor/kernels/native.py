@@ -8,7 +8,7 @@ cache key includes the CPU's flags. Without a compiler the callers keep the PyTo
 - `block_gemv.c`: a few rows times a weight kept in its GGUF blocks (Q4_1, Q8_0); `block_q8.c` the
   same with the rows rounded to int8 (`--quantization int8|int4`).
 - `gemm.c`: fp32 rows times a weight packed once into panels, for batches and prefill.
-- `decoder_step.c`: a decode step of a few sequences through every decoder layer, from those two.
+- `decoder_step.c`: a decode step through every decoder layer, from those.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.T
 
 
 class Projection(ctypes.Structure):
-    _fields_ = [("blocks", _PTR), ("bias", _PTR), ("qtype", _I64)]
+    _fields_ = [("blocks", _PTR), ("packed", _PTR), ("bias", _PTR), ("qtype", _I64)]
 
 
 class LayerSpec(ctypes.Structure):
@@ -216,6 +216,7 @@ class DecoderSpec(ctypes.Structure):
     _fields_ = [
         *((name, _I64) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim")),
         *((name, _I64) for name in ("intermediate", "num_blocks", "block_size", "int8_activations")),
+        ("block_rows", _I64),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("layers", ctypes.POINTER(LayerSpec)),

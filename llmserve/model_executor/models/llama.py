@@ -99,7 +99,7 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.logits_kernel: LinearKernel | None = None
-        self.native_decoder: NativeDecoder | None = None  # small decode steps, after attach_blocks
+        self.native_decoder: NativeDecoder | None = None  # decode steps in C, after prepare_kernels
 
     def forward(
         self,
@@ -132,13 +132,14 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.prepare(quantization, native_kernels)
         self.logits_kernel = make_kernel(self.lm_head_weight, None, quantization, native_kernels)
+        self._choose_decoder()
 
     def attach_blocks(
         self, blocks: Iterable[tuple[str, int, torch.Tensor]], int8_activations: bool = False
     ) -> None:
         """Give each projection whose blocks are given (fused, or as checkpoint shards sharing one block
         type) a `BlockKernel` over them (see `layers/linear.py`); after `prepare_kernels`, whose kernels
-        take the larger batches. When every projection has one, small decode steps run in C."""
+        take the larger batches."""
         by_name = {name.removeprefix("model."): (qtype, rows) for name, qtype, rows in blocks}
         for name, module in self.named_modules():
             if not isinstance(module, Linear) or module.kernel is None:
@@ -160,8 +161,11 @@ class LlamaForCausalLM(nn.Module):
             self.logits_kernel = BlockKernel(
                 rows, qtype, self.config.vocab_size, None, self.logits_kernel, int8_activations
             )
-        if NativeDecoder.applies_to(self):
-            self.native_decoder = NativeDecoder(self)
+        self._choose_decoder()
+
+    def _choose_decoder(self) -> None:
+        """Decode steps run in C (`NativeDecoder`) when every projection's kernels allow."""
+        self.native_decoder = NativeDecoder(self) if NativeDecoder.applies_to(self) else None
 
     def shard_sizes(self, fused: str) -> list[int]:
         c = self.config

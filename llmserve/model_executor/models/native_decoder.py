@@ -1,9 +1,11 @@
-"""Small decode steps of a Llama through `kernels/decoder_step.c`: every layer in one C call.
+"""Decode steps of a Llama through `kernels/decoder_step.c`: every layer in one C call.
 
-Taken when the model runs on the CPU in fp32 with every projection read from GGUF blocks (a Q4_1/Q8_0
-GGUF, or `--quantization int8|int4`) and the step is up to `BLOCK_ROWS` decodes and nothing else: then
-the projections are ~half the step and the ~1,500 PyTorch calls of the layers were the other half.
-Larger or mixed steps keep the PyTorch path, which computes the same thing.
+Taken when the model runs on the CPU in fp32 with our kernels for every projection (`PackedKernel`, or a
+`BlockKernel` over GGUF blocks with a `PackedKernel` for the larger batches: a Q4_1/Q8_0 GGUF, or
+`--quantization int8|int4`) and the step holds decodes only. At a few rows the projections are ~half
+the step and the ~1,500 PyTorch calls of the layers were the other half; at 64 rows those calls, with
+their tensors larger than the caches, took ~15% of it. Steps with a prefill keep the PyTorch path,
+which computes the same thing with the same kernels.
 """
 
 from __future__ import annotations
@@ -15,22 +17,29 @@ import torch
 
 from llmserve.model_executor.attention import AttentionMetadata
 from llmserve.model_executor.kernels import native
-from llmserve.model_executor.layers.linear import BLOCK_ROWS, BlockKernel, Linear
+from llmserve.model_executor.layers.linear import BLOCK_ROWS, BlockKernel, Linear, PackedKernel
 
 if TYPE_CHECKING:
     from llmserve.model_executor.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
 
 
-def _block_kernels(model: LlamaForCausalLM) -> list[BlockKernel]:
-    kernels = [m.kernel for m in model.modules() if isinstance(m, Linear)]
-    return [k for k in kernels if isinstance(k, BlockKernel)]
+def _kernels(model: LlamaForCausalLM) -> list[object]:
+    return [m.kernel for m in model.modules() if isinstance(m, Linear)]
+
+
+def _packed(kernel: object) -> PackedKernel | None:
+    """The packed fp32 kernel a projection's kernel is or falls back to."""
+    large = kernel.large if isinstance(kernel, BlockKernel) else kernel
+    return large if isinstance(large, PackedKernel) else None
 
 
 def _projection(linear: Linear) -> native.Projection:
-    kernel = linear.kernel
-    assert isinstance(kernel, BlockKernel)
-    bias = 0 if kernel.bias is None else kernel.bias.data_ptr()
-    return native.Projection(kernel.blocks.data_ptr(), bias, kernel.qtype)
+    kernel, packed = linear.kernel, _packed(linear.kernel)
+    assert packed is not None
+    bias = 0 if packed.bias is None else packed.bias.data_ptr()
+    if isinstance(kernel, BlockKernel):
+        return native.Projection(kernel.blocks.data_ptr(), packed.packed.data_ptr(), bias, kernel.qtype)
+    return native.Projection(0, packed.packed.data_ptr(), bias, 0)
 
 
 class NativeDecoder:
@@ -53,7 +62,8 @@ class NativeDecoder:
             num_kv_heads=c.num_key_value_heads,
             head_dim=c.head_dim,
             intermediate=c.intermediate_size,
-            int8_activations=_block_kernels(model)[0].int8_activations,
+            int8_activations=any(getattr(k, "int8_activations", False) for k in _kernels(model)),
+            block_rows=BLOCK_ROWS,
             eps=c.rms_norm_eps,
             scale=c.head_dim**-0.5,
             layers=ctypes.cast(self.layers, ctypes.POINTER(native.LayerSpec)),
@@ -65,20 +75,22 @@ class NativeDecoder:
 
     @staticmethod
     def applies_to(model: LlamaForCausalLM) -> bool:
-        """Every projection reads blocks, all with the same activations, the weights are fp32 on the CPU,
-        and the library loaded."""
-        kernels = _block_kernels(model)
-        projections = sum(isinstance(m, Linear) for m in model.modules())
+        """Every projection has packed fp32 weights, and either all read blocks, with the same
+        activations, or none does; the weights are fp32 on the CPU and the library loaded."""
+        kernels = _kernels(model)
+        blocks = [k for k in kernels if isinstance(k, BlockKernel)]
         return (
-            len(kernels) == projections > 0
-            and len({k.int8_activations for k in kernels}) == 1
+            len(kernels) > 0
+            and all(_packed(k) is not None for k in kernels)
+            and len(blocks) in (0, len(kernels))
+            and len({k.int8_activations for k in blocks}) <= 1
             and model.norm.weight.dtype == torch.float32
             and native.load_library() is not None
         )
 
     @staticmethod
     def accepts(meta: AttentionMetadata) -> bool:
-        return meta.native_decode and not meta.prefills and 0 < meta.num_decodes <= BLOCK_ROWS
+        return meta.native_decode and not meta.prefills and meta.num_decodes > 0
 
     def __call__(
         self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
