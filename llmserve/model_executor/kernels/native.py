@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from llmserve.model_executor.huge_pages import empty_huge
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = sorted(Path(__file__).parent.glob("*.c"))
@@ -166,7 +168,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     assert library is not None, "check load_library() first"
     weight = weight.detach().contiguous()
     out_features, in_features = weight.shape
-    packed = torch.empty(-(-out_features // GEMM_PANEL), in_features, GEMM_PANEL, dtype=torch.float32)
+    packed = empty_huge((-(-out_features // GEMM_PANEL), in_features, GEMM_PANEL), torch.float32)
     library.pack_weight(weight.data_ptr(), out_features, in_features, packed.data_ptr())
     return packed
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from llmserve.config import Quantization
 from llmserve.model_executor.attention import AttentionMetadata, paged_attention
+from llmserve.model_executor.huge_pages import cat_huge
 from llmserve.model_executor.layers.layernorm import RMSNorm
 from llmserve.model_executor.layers.linear import BlockKernel, Linear, LinearKernel, make_kernel
 from llmserve.model_executor.layers.rotary_embedding import RopeAngles, RotaryEmbedding, apply_rope
@@ -150,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
                 shards = [part for part, (fused, _) in self.FUSED_SHARDS.items() if fused == fragment]
             found = [by_name.get(f"{prefix}.{shard}.weight") for shard in shards]
             if all(found) and len({qtype for qtype, _ in found}) == 1:  # type: ignore[misc]
-                rows = torch.cat([r for _, r in found])  # type: ignore[misc]
+                rows = cat_huge([r for _, r in found])  # type: ignore[misc]
                 qtype = found[0][0]  # type: ignore[index]
                 module.kernel = BlockKernel(
                     rows, qtype, module.out_features, module.bias, module.kernel, int8_activations
@@ -159,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
         if head is not None and self.logits_kernel is not None:
             qtype, rows = head
             self.logits_kernel = BlockKernel(
-                rows, qtype, self.config.vocab_size, None, self.logits_kernel, int8_activations
+                cat_huge([rows]), qtype, self.config.vocab_size, None, self.logits_kernel, int8_activations
             )
         self._choose_decoder()
 
