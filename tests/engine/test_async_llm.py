@@ -35,6 +35,11 @@ async def collect(
     return [out async for out in engine.generate(prompt, params, request_id)]  # type: ignore[arg-type]
 
 
+async def drain(stream: AsyncIterator[RequestOutput]) -> None:
+    async for _ in stream:
+        pass
+
+
 async def assert_core_is_empty(engine: AsyncLLM) -> None:
     stats = await engine.engine_core.get_scheduler_stats_async()  # type: ignore[attr-defined]
     for _ in range(50):  # aborts travel to the core asynchronously
@@ -142,13 +147,14 @@ async def test_killed_core_fails_every_stream_fast(tiny_llama_hf_dir: Path) -> N
     engine = make_engine(tiny_llama_hf_dir)
     prompt = random_prompts(1, 10, 10, seed=16)[0]
     long = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
-    tasks = [asyncio.create_task(collect(engine, prompt, long, f"doomed-{i}")) for i in range(4)]
-    await asyncio.sleep(0.5)
+    streams = [engine.generate(prompt, long, f"doomed-{i}") for i in range(4)]
+    for stream in streams:  # killed once every request runs (a fixed sleep let a fast core finish them)
+        await anext(stream)
     os.kill(engine.engine_core.proc.pid, signal.SIGKILL)  # type: ignore[attr-defined]
     start = time.monotonic()
-    for task in tasks:
+    for stream in streams:
         with pytest.raises(EngineDeadError):
-            await asyncio.wait_for(task, timeout=5)
+            await asyncio.wait_for(drain(stream), timeout=5)
     assert time.monotonic() - start < 5
     start = time.monotonic()
     with pytest.raises(EngineDeadError):
