@@ -63,6 +63,7 @@ def load_library() -> ctypes.CDLL | None:
         ctypes.c_int,
     ]
     library.block_gemv.restype = ctypes.c_int
+    library.round_rows.argtypes = [_PTR, _I64, _I64, _PTR]
     library.pack_weight.argtypes = [_PTR, _I64, _I64, _PTR]
     library.gemm.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, ctypes.c_int]
     spec, i64, ptr = ctypes.POINTER(DecoderSpec), _I64, _PTR
@@ -157,6 +158,18 @@ def block_gemv(
             f"block_gemv cannot take x {tuple(x.shape)} with block type {qtype} (status {status})."
         )
     return y
+
+
+def round_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] fp32, each block of 32 rounded to int8 and back (block_q8.c's rounding)."""
+    library = load_library()
+    assert library is not None, "check load_library() first"
+    x = x.contiguous()
+    if x.shape[-1] % 32:
+        raise ValueError(f"round_rows needs rows of 32k values, got {x.shape[-1]}.")
+    out = torch.empty_like(x)
+    library.round_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    return out
 
 
 GEMM_PANEL = 16  # weight rows per packed panel (gemm.c)

@@ -126,9 +126,6 @@ class BlockKernel:
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] with each block of 32 rounded to int8 and back, as `kernels/block_q8.c` rounds it
-    (same fp32 operations: scale max|x| / 127, times its reciprocal, round half to even)."""
-    blocks = x.reshape(x.shape[0], -1, 32)
-    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
-    inverse = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
-    return (torch.round(blocks * inverse) * scale).reshape(x.shape)
+    """x [rows, in] with each block of 32 rounded to int8 and back, by the code that rounds the rows
+    `kernels/block_q8.c` multiplies (`round_rows`: scale max|x| / 127, round half to even)."""
+    return native.round_rows(x)

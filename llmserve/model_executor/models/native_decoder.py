@@ -62,7 +62,7 @@ class NativeDecoder:
             num_kv_heads=c.num_key_value_heads,
             head_dim=c.head_dim,
             intermediate=c.intermediate_size,
-            int8_activations=any(getattr(k, "int8_activations", False) for k in _kernels(model)),
+            int8_activations=any(k.int8_activations for k in _kernels(model) if isinstance(k, BlockKernel)),
             block_rows=BLOCK_ROWS,
             eps=c.rms_norm_eps,
             scale=c.head_dim**-0.5,
