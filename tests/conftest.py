@@ -1,4 +1,5 @@
-"""Models on disk for the tests: a tiny random Llama (HF folder and GGUF) and the packaged default."""
+"""Models on disk for the tests: a tiny random Llama (HF folder and GGUF), the packaged default, and
+Qwen2.5-Coder-0.5B-Instruct joined from its PyPI parts."""
 
 from __future__ import annotations
 
@@ -29,3 +30,13 @@ def default_model_path() -> Path:
         return resolve_model("smollm2-135m-instruct").path
     except ValueError as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def qwen_gguf_path() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct Q4_K_M, joined into the models cache from the six packages that
+    `make install` adds; fails rather than skips without them, since the install step provides them."""
+    try:
+        return resolve_model("qwen2.5-coder-0.5b-instruct").path
+    except ValueError as e:
+        pytest.fail(str(e))

