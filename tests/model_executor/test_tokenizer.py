@@ -121,3 +121,16 @@ def test_eos_from_tokenizer_when_no_generation_config(tiny_llama_hf_dir: Path, t
     (folder / "generation_config.json").unlink()
     source = resolve_model(str(folder))
     assert eos_token_ids(source, load_tokenizer(source)) == [2]
+
+
+def test_qwen2_vocabulary_tokenizes_like_transformers(qwen_gguf_path: Path) -> None:
+    """Qwen2's split regex, built by us in a second where transformers takes ~17."""
+    ours = load_tokenizer(resolve_model(str(qwen_gguf_path)))
+    reference = AutoTokenizer.from_pretrained(str(qwen_gguf_path.parent), gguf_file=qwen_gguf_path.name)
+    for text in [*TEXTS, "e\u0301 not composed", "x = [1,2,3]\n\n\n    return x**2  # 100%"]:
+        ids = ours(text).input_ids
+        assert ids == reference(text).input_ids, text
+        assert ours.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)
+    assert ours.apply_chat_template(MESSAGES, tokenize=False) == reference.apply_chat_template(
+        MESSAGES, tokenize=False
+    )

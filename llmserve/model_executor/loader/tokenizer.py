@@ -1,7 +1,7 @@
 """The model's tokenizer, as a `transformers` fast tokenizer, from an HF folder or a GGUF file.
 
 transformers can turn a GGUF's metadata into a tokenizer, but it takes ~14 s on a 49k vocabulary.
-For the byte-level BPE vocabularies we know (SmolLM2's among them) we build the same tokenizer
+For the byte-level BPE vocabularies we know (SmolLM2's and Qwen2's among them) we build the same tokenizer
 straight from the metadata with the `tokenizers` library in well under a second, and fall back to
 transformers for every other kind.
 """
@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from llmserve.model_executor.loader.gguf_file import GGUFHeader, read_gguf_header
 from llmserve.model_executor.loader.model_source import ModelSource
@@ -31,6 +31,12 @@ _USER_DEFINED = 4
 # ByteLevel's GPT-2 split (SmolLM2's, StarCoder's); and those that are ByteLevel alone.
 _DIGIT_SPLIT_PRE_TYPES = ("smollm", "starcoder", "refact", "codeshell")
 _GPT2_PRE_TYPES = ("gpt-2",)
+# Qwen2's split (llama.cpp's "qwen2" pre type), before ByteLevel without its own regex. Like llama.cpp
+# and transformers' GGUF conversion, no NFC normalisation (HF's own tokenizer.json has one).
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
 
 
 def load_tokenizer(source: ModelSource, chat_template: str | None = None) -> PreTrainedTokenizerBase:
@@ -151,6 +157,11 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer | None:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in _GPT2_PRE_TYPES:
         return byte_level
+    if pre == "qwen2":
+        split = pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False)
+        return pre_tokenizers.Sequence(
+            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
     return None
 
 
