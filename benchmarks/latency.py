@@ -120,25 +120,21 @@ def _timed(fn: object) -> float:
 
 def decode_weight_bytes(model: Any) -> tuple[int, str]:
     """Weight bytes one single-sequence decode step reads (every projection and the output head; norms
-    and the one embedding row are noise), and the formats it reads them in. This mirrors the kernels
-    of `llmserve/model_executor/layers/linear.py`: GGUF blocks at a few rows, an fp16 copy with
-    `quantization="fp16"`, else the weight at the model's dtype (kernels free the plain weight, so
-    `parameters()` no longer counts them)."""
-    from llmserve.model_executor.layers.linear import BlockKernel, Fp16WeightKernel, Linear
+    and the one embedding row are noise), and the formats it reads them in: the stored weights of
+    `llmserve/model_executor/layers/linear.py`'s kernels, else the weight at the model's dtype."""
+    from llmserve.model_executor.layers.linear import Linear, StoredKernel
 
-    dtype = model.embed_tokens.weight.dtype
-    heads = [(m.kernel, m.out_features * m.in_features) for m in model.modules() if isinstance(m, Linear)]
-    heads.append((model.logits_kernel, model.config.vocab_size * model.config.hidden_size))
-    total, formats = 0, set()
-    for kernel, numel in heads:
-        if isinstance(kernel, BlockKernel):
-            nbytes, fmt = kernel.blocks.numel() * kernel.blocks.element_size(), kernel_format(kernel.qtype)
-        elif isinstance(kernel, Fp16WeightKernel):
-            nbytes, fmt = numel * 2, "fp16"
-        else:
-            nbytes, fmt = numel * dtype.itemsize, str(dtype).removeprefix("torch.")
-        total += nbytes
-        formats.add(fmt)
+    heads = [(m.kernel, m.weight) for m in model.modules() if isinstance(m, Linear)]
+    if model.lm_head is None:
+        heads.append((model.logits_kernel, getattr(model.embed_tokens, "weight", None)))
+    total, formats = 0, set[str]()
+    for kernel, weight in heads:
+        if isinstance(kernel, StoredKernel):
+            total += kernel.weight.nbytes
+            formats.update(kernel_format(qtype) for qtype in kernel.weight.qtypes)
+        elif weight is not None:
+            total += weight.numel() * weight.element_size()
+            formats.add(str(weight.dtype).removeprefix("torch."))
     return total, "+".join(sorted(formats))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 from llmserve.config import EngineConfig, ResolvedLimits
@@ -12,6 +13,8 @@ from llmserve.model_executor.model_runner import ModelRunner
 from llmserve.scheduling.kv_cache_manager import KVCacheManager
 from llmserve.scheduling.request import Request, RequestStatus
 from llmserve.scheduling.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -39,6 +42,7 @@ class EngineCore:
             vocab_size=llama_config.vocab_size,
         )
         self.model_runner.initialize_kv_cache(num_blocks, block_size)
+        _log_memory(self.model_runner, self.limits, budget)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, config.cache_config.enable_prefix_caching
         )
@@ -58,6 +62,25 @@ class EngineCore:
         runner_output = self.model_runner.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         return EngineCoreOutputs(outputs, self.scheduler.make_stats(), time.monotonic())
+
+
+def _log_memory(runner: ModelRunner, limits: ResolvedLimits, kv_bytes: int) -> None:
+    """What the engine holds, as vLLM reports it: weights, the KV pool, and how many requests of the
+    full context length fit in it at once."""
+    tokens = limits.num_kv_blocks * limits.block_size
+    logger.info("Model weights take %.2f GiB.", runner.model.weight_bytes() / 2**30)
+    logger.info(
+        "KV cache: %.2f GiB, %d blocks of %d tokens (%d tokens).",
+        kv_bytes / 2**30,
+        limits.num_kv_blocks,
+        limits.block_size,
+        tokens,
+    )
+    logger.info(
+        "Maximum concurrency for %d tokens per request: %.2fx",
+        limits.max_model_len,
+        tokens / limits.max_model_len,
+    )
 
 
 def _max_model_len(requested: int | None, model_max: int, pool_tokens: int) -> int:

@@ -15,23 +15,13 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device, cpu_flags: set[str] | None = None) -> torch.dtype:
-    """`auto` is bf16 on GPUs, and on CPUs with AMX's bf16 tiles; else fp32. Without AMX or AVX512-BF16
-    a CPU emulates bf16 products (measured here: ~10 GFLOP/s a core against ~75 in fp32)."""
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto` is bf16 on GPUs and fp32 on CPUs: there the exact path, whose greedy output equals
+    Hugging Face's fp32, and the one that multiplies weights in their stored format. `--dtype bfloat16`
+    computes in bf16 through PyTorch (oneDNN uses AMX or AVX512-BF16 where the CPU has them)."""
     if dtype != "auto":
         return _DTYPES[dtype]
-    if device.type == "cuda":
-        return torch.bfloat16
-    flags = read_cpu_flags() if cpu_flags is None else cpu_flags
-    return torch.bfloat16 if "amx_bf16" in flags else torch.float32
-
-
-def read_cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return set()
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def kv_cache_budget(device: torch.device, requested: int | None) -> int:

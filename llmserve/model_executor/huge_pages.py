@@ -1,10 +1,10 @@
-"""Host tensors backed by transparent huge pages (2 MiB), for what the CPU kernels stream.
+"""Host tensors backed by transparent huge pages (2 MiB), for the KV cache the CPU kernels read.
 
-A decode step reads every weight and, at 64 sequences, some hundreds of MB of KV cache scattered in
-4 KiB blocks: with 4 KiB pages nearly every weight panel and cache block costs a TLB miss and a page
-walk. Where Linux hands out huge pages only on request (`transparent_hugepage=madvise`, a common
-default), this asks for them. Measured here: packed fp32 products of 64-128 rows 5-17% faster, decode
-attention over 64 sequences ~8%. Elsewhere (no `MADV_HUGEPAGE`, or huge pages off) it is plain memory.
+A decode step at 64 sequences reads some hundreds of MB of KV cache scattered in 4 KiB blocks: with
+4 KiB pages nearly every cache block costs a TLB miss and a page walk. Where Linux hands out huge pages
+only on request (`transparent_hugepage=madvise`, a common default), this asks for them: decode attention
+over 64 sequences measured ~8% faster on a Zen 3 machine. Elsewhere (no `MADV_HUGEPAGE`, or huge pages
+off) it is plain memory. The weights are the memory-mapped checkpoint instead, in the page cache.
 """
 
 from __future__ import annotations
@@ -29,9 +29,3 @@ def empty_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     with contextlib.suppress(OSError):  # huge pages compiled out of this kernel: plain pages
         memory.madvise(advice)
     return torch.frombuffer(memory, dtype=dtype).view(shape)
-
-
-def cat_huge(parts: list[torch.Tensor]) -> torch.Tensor:
-    """`torch.cat(parts)` (along the first dimension) into huge-page memory."""
-    shape = (sum(len(part) for part in parts), *parts[0].shape[1:])
-    return torch.cat(parts, out=empty_huge(shape, parts[0].dtype))

@@ -15,11 +15,10 @@ from llmserve.model_executor.device import resolve_device, resolve_dtype
 from llmserve.model_executor.huge_pages import empty_huge
 from llmserve.model_executor.input_buffers import InputBuffers
 from llmserve.model_executor.kernels import native
-from llmserve.model_executor.loader import ModelSource, iter_gguf_blocks, iter_weights
+from llmserve.model_executor.loader import ModelSource, iter_weights
 from llmserve.model_executor.logits_processors import apply_logits_processors, build_logits_metadata
 from llmserve.model_executor.models.llama import KVCache, LlamaForCausalLM
 from llmserve.model_executor.models.llama_config import LlamaConfig
-from llmserve.model_executor.quantization import BLOCK_TYPES, round_to_blocks
 from llmserve.model_executor.sampler import SamplingMetadata, gather_logprobs, sample
 from llmserve.scheduling.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -42,21 +41,18 @@ class ModelRunner:
             and native.load_library() is not None
         )
         self.config = llama_config
+        quantization = model_config.quantization
+        if quantization != "none" and not self.native:
+            raise ValueError(
+                f"quantization={quantization!r} needs the CPU, float32 and the C kernels (native_kernels)."
+            )
         torch.manual_seed(model_config.seed)
         with torch.device("meta"):
-            model = LlamaForCausalLM(llama_config)
+            model = LlamaForCausalLM(llama_config, stored=self.native)
         model = model.to_empty(device=self.device).to(self.dtype)
         model.rotary.compute_tables()
-        model.load_weights(iter_weights(source))
-        quantization = model_config.quantization
-        rounded = round_to_blocks(model, quantization) if quantization in BLOCK_TYPES else None
-        model.prepare_kernels(quantization, self.native)
-        if self.native and rounded is not None:
-            model.attach_blocks(rounded, int8_activations=True)
-        elif self.native and source.format == "gguf" and quantization == "none":
-            model.attach_blocks(iter_gguf_blocks(source, {native.GGML_Q4_1, native.GGML_Q8_0}))
-        elif rounded is not None:
-            logger.warning("%s without native kernels: rounded weights at fp32 speed.", quantization)
+        model.load_weights(iter_weights(source, stored=self.native))
+        model.prepare_kernels(quantization)
         self.model = model.eval()
         self.kv_caches: list[KVCache] = []
         self.block_size = 0

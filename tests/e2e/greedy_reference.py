@@ -69,3 +69,22 @@ def hf_teacher_forced(model: Any, prompt_ids: list[int], generated: list[int]) -
     logits = model(torch.tensor([prompt_ids + generated])).logits[0, len(prompt_ids) - 1 : -1]
     logprobs = logits.float().log_softmax(-1)
     return Reference(logprobs.argmax(-1).tolist(), list(logprobs))
+
+
+def assert_top_logprobs_match(
+    ours: CompletionOutput, ref: Reference, k: int, tolerance: float = 1e-3
+) -> None:
+    """At each position before the sequences part, our top-k tokens are HF's top-k, each logprob within
+    `tolerance` of HF's for the same token; two tokens may swap ranks only where their logprobs are that
+    close (a near-tie in the last place swaps which token is k-th)."""
+    assert ours.logprobs is not None
+    for position, (entry, ref_lp) in enumerate(zip(ours.logprobs, ref.logprobs)):
+        ranked = sorted((lp.rank, t) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k)
+        assert len(ranked) == k
+        kth = float(ref_lp.topk(k).values[-1])
+        for _, token in ranked:
+            theirs = float(ref_lp[token])
+            assert abs(entry[token].logprob - theirs) < tolerance, (position, token, entry[token], theirs)
+            assert theirs > kth - tolerance, f"position {position}: {token} is not in HF's top {k}"
+        if position + 1 < len(ours.token_ids) and ours.token_ids[position] != ref.token_ids[position]:
+            return

@@ -9,7 +9,13 @@ import pytest
 
 from llmserve import LLM, AsyncLLM, RequestOutputKind, SamplingParams
 from tests.e2e.conftest import PROMPTS
-from tests.e2e.greedy_reference import Reference, compare_greedy, hf_greedy, hf_teacher_forced
+from tests.e2e.greedy_reference import (
+    Reference,
+    assert_top_logprobs_match,
+    compare_greedy,
+    hf_greedy,
+    hf_teacher_forced,
+)
 
 NUM_TOKENS = 64
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=2)
@@ -91,9 +97,5 @@ async def test_async_llm_logprobs_match_hf(references: list[Reference]) -> None:
         engine.shutdown()
     output = outputs[-1].outputs[0]
     assert output.logprobs is not None and len(output.logprobs) == 8
-    for position, entry in enumerate(output.logprobs):
-        top = references[0].logprobs[position].topk(5)
-        ranked = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank is not None)
-        assert [t for _, t, _ in ranked[:5]] == top.indices.tolist()
-        for (_, _, ours), theirs in zip(ranked, top.values.tolist()):
-            assert abs(ours - theirs) < 1e-3
+    assert output.token_ids == references[0].token_ids[:8]
+    assert_top_logprobs_match(output, references[0], 5)

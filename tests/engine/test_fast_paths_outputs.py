@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType
 
 from llmserve import RequestOutput, SamplingParams
 from llmserve.model_executor.kernels import native
-from llmserve.model_executor.layers.linear import BlockKernel
+from llmserve.model_executor.layers.linear import StoredKernel
 from tests.engine.greedy_compare import assert_same_greedy
 from tests.engine.test_llm_batching import core_of, make_llm
 from tests.fixtures.tiny_llama import VOCAB_SIZE, gguf_name, write_gguf
@@ -56,7 +56,7 @@ def test_gguf_block_kernels_give_the_torch_outputs(tiny_llama_hf_dir: Path, tmp_
         try:
             model = core_of(llm).model_runner.model
             kernels = [layer.mlp.down_proj.kernel for layer in model.layers] + [model.logits_kernel]
-            assert all(isinstance(k, BlockKernel) for k in kernels) == native_kernels
+            assert all(isinstance(k, StoredKernel) for k in kernels) == native_kernels
             assert (model.native_decoder is not None) == native_kernels  # decode steps of <= 4 rows in C
             results[native_kernels] = llm.generate(prompts, params, use_tqdm=False)
         finally:
@@ -85,7 +85,8 @@ def _projection_names(hf_dir: Path) -> list[str]:
 def test_weight_only_quantization_is_the_same_at_every_batch_size(
     tiny_llama_hf_dir: Path, quantization: str
 ) -> None:
-    """Steps of up to 8 rows read the blocks, larger ones oneDNN over the same rounded weights."""
+    """Steps of up to 8 rows multiply the blocks with int8 activations, larger ones the same rounded
+    activations through weight_gemm.c."""
     rng = random.Random(11)
     prompts = [
         {"prompt_token_ids": [rng.randrange(3, VOCAB_SIZE) for _ in range(10 + 3 * i)]} for i in range(12)
@@ -94,7 +95,8 @@ def test_weight_only_quantization_is_the_same_at_every_batch_size(
     llm = make_llm(tiny_llama_hf_dir, quantization=quantization)
     try:
         model = core_of(llm).model_runner.model
-        assert all(isinstance(layer.self_attn.qkv_proj.kernel, BlockKernel) for layer in model.layers)
+        kernels = [layer.self_attn.qkv_proj.kernel for layer in model.layers]
+        assert all(isinstance(k, StoredKernel) and k.int8_activations for k in kernels)
         together = llm.generate(prompts, params, use_tqdm=False)  # decode steps of 12 rows
         alone = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]  # steps of 1 row
     finally:

@@ -1,4 +1,5 @@
-"""The CPU linear kernels compute what `F.linear` computes; the thread count follows the rules."""
+"""The linear layers compute what `F.linear` computes: dense through oneDNN, stored through our kernels,
+with no dense copy of a stored weight; the thread count follows the rules."""
 
 from __future__ import annotations
 
@@ -9,50 +10,55 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.model_executor.cpu_threads import core_thread_count
-from llmserve.model_executor.kernels import native
-from llmserve.model_executor.layers.linear import (
-    Fp16WeightKernel,
-    Linear,
-    OneDNNKernel,
-    PackedKernel,
-    make_kernel,
-)
+from llmserve.model_executor.layers.linear import Linear, OneDNNKernel, StoredKernel
+from llmserve.model_executor.layers.stored_weight import StoredTensor
+from llmserve.model_executor.quantization import requantize
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("native_kernels", [False, True])
-def test_fp32_kernels_match_f_linear(rows: int, bias: bool, native_kernels: bool) -> None:
-    if native_kernels and native.load_library() is None:
-        pytest.skip("no C compiler")
-    layer = Linear(48, 80, bias=bias)
+def test_dense_fp32_is_onednn(rows: int, bias: bool) -> None:
+    layer = Linear(48, 80, bias, stored=False)
+    torch.nn.init.normal_(layer.weight)
+    if layer.bias is not None:
+        torch.nn.init.normal_(layer.bias)
     x = torch.randn(rows, 48)
     expected = F.linear(x, layer.weight, layer.bias)
-    layer.prepare("none", native_kernels)
-    assert isinstance(layer.kernel, PackedKernel if native_kernels else OneDNNKernel)
+    layer.prepare()
+    assert isinstance(layer.kernel, OneDNNKernel)
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 33])
-def test_fp16_kernel_is_f_linear_on_fp16_rounded_weights(rows: int) -> None:
-    layer = Linear(64, 96, bias=True)
+def test_stored_floats_keep_their_bytes(dtype: torch.dtype, rows: int) -> None:
+    """A Hugging Face weight kept in its own dtype (2 bytes for bf16/fp16), multiplied in fp32."""
+    weight, bias = torch.randn(96, 64).to(dtype), torch.randn(96)
+    layer = Linear(64, 96, True, stored=True)
+    assert layer.weight is None
+    layer.parts[0] = StoredTensor.from_dense(weight)
+    layer.bias = torch.nn.Parameter(bias)
+    layer.prepare()
+    assert isinstance(layer.kernel, StoredKernel)
+    assert layer.kernel.weight.nbytes == weight.numel() * dtype.itemsize
     x = torch.randn(rows, 64)
-    exact = F.linear(x, layer.weight, layer.bias)
-    expected = F.linear(x, layer.weight.half().float(), layer.bias)
-    layer.prepare("fp16", native_kernels=True)
-    assert isinstance(layer.kernel, Fp16WeightKernel)
-    torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
-    assert not torch.allclose(layer(x), exact, rtol=0, atol=1e-7)
-    assert layer.weight.numel() == 0  # the kernel's copy is the only one left
+    torch.testing.assert_close(layer(x), F.linear(x, weight.float(), bias), rtol=1e-5, atol=1e-5)
 
 
-def test_fp16_weights_need_cpu_fp32() -> None:
-    with pytest.raises(ValueError, match="fp16"):
-        make_kernel(torch.randn(4, 4, dtype=torch.bfloat16), None, "fp16", True)
+def test_fp16_quantization_is_f_linear_on_fp16_rounded_weights() -> None:
+    weight = torch.randn(96, 64)
+    [part] = requantize([StoredTensor.from_dense(weight)], "fp16")
+    layer = Linear(64, 96, False, stored=True)
+    layer.parts[0] = part
+    layer.prepare()
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, weight.half().float()), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(layer(x), F.linear(x, weight), rtol=0, atol=1e-7)
 
 
-def test_reduced_precision_keeps_f_linear() -> None:
-    assert make_kernel(torch.randn(4, 4, dtype=torch.bfloat16), None, "none", True) is None
+def test_int8_and_int4_need_whole_blocks() -> None:
+    with pytest.raises(ValueError, match="32k"):
+        requantize([StoredTensor.from_dense(torch.randn(4, 48))], "int8")
 
 
 def test_core_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:

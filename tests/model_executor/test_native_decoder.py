@@ -6,50 +6,83 @@ import pytest
 import torch
 
 from llmserve.model_executor.attention import AttentionMetadata, PrefillChunk
-from llmserve.model_executor.kernels import native
-from llmserve.model_executor.layers.linear import BLOCK_ROWS, BlockKernel, OneDNNKernel
+from llmserve.model_executor.layers.linear import BLOCK_ROWS, StoredKernel
+from llmserve.model_executor.layers.stored_weight import StoredTensor
 from llmserve.model_executor.models.llama import KVCache, LlamaForCausalLM
 from llmserve.model_executor.models.llama_config import LlamaConfig
 from llmserve.model_executor.models.native_decoder import NativeDecoder
-from llmserve.model_executor.quantization import round_to_blocks
-
-pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler here")
+from tests.model_executor.stored_weights import K_TYPES, Q, random_stored_tensor
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 200
+# Checkpoint shard → GGML type, for a model stored in mixed types as a Q4_K_M file is.
+MIXED = {"v_proj": Q.Q6_K, "down_proj": Q.Q6_K, "q_proj": Q.Q4_K, "lm_head": Q.Q6_K}
 
 
-def block_model(attention_bias: bool, quantization: str, int8_activations: bool = False) -> LlamaForCausalLM:
-    """A tiny random Llama whose projections read blocks (quantization int8|int4), or only packed fp32
-    weights (quantization "none")."""
-    config = LlamaConfig(
+def tiny_config(attention_bias: bool) -> LlamaConfig:
+    return LlamaConfig(
         architecture="Qwen2ForCausalLM" if attention_bias else "LlamaForCausalLM",
         vocab_size=96,
-        hidden_size=64,
-        intermediate_size=160,
+        hidden_size=256,  # whole K super-blocks
+        intermediate_size=512,
         num_hidden_layers=3,
-        num_attention_heads=6,
+        num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=64,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         max_position_embeddings=256,
         tie_word_embeddings=True,
         attention_bias=attention_bias,
     )
+
+
+def checkpoint(config: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Random weights under Hugging Face's names."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):  # not all ones, so a norm weight mixed up would show
-                param.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                param.normal_(0, 0.5)
-    if quantization == "none":
-        model.prepare_kernels("none", native_kernels=True)
-        return model.eval()
-    rounded = round_to_blocks(model, quantization)  # as the model runner does it
-    model.prepare_kernels(quantization, native_kernels=True)  # type: ignore[arg-type]
-    model.attach_blocks(rounded, int8_activations)
+    c = config
+    weights = {"model.embed_tokens.weight": torch.randn(c.vocab_size, c.hidden_size) * 0.5}
+    kv = c.num_key_value_heads * c.head_dim
+    shapes = {
+        "self_attn.q_proj": (c.num_attention_heads * c.head_dim, c.hidden_size),
+        "self_attn.k_proj": (kv, c.hidden_size),
+        "self_attn.v_proj": (kv, c.hidden_size),
+        "self_attn.o_proj": (c.hidden_size, c.num_attention_heads * c.head_dim),
+        "mlp.gate_proj": (c.intermediate_size, c.hidden_size),
+        "mlp.up_proj": (c.intermediate_size, c.hidden_size),
+        "mlp.down_proj": (c.hidden_size, c.intermediate_size),
+    }
+    for i in range(c.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        for name, shape in shapes.items():
+            weights[f"{prefix}{name}.weight"] = torch.randn(shape) / shape[1] ** 0.5
+            if c.attention_bias and name[-6:] in ("q_proj", "k_proj", "v_proj"):
+                weights[f"{prefix}{name}.bias"] = torch.randn(shape[0]) * 0.5
+        for norm in ("input_layernorm", "post_attention_layernorm"):  # not all ones: a mix-up would show
+            weights[f"{prefix}{norm}.weight"] = torch.rand(c.hidden_size) + 0.5
+    weights["model.norm.weight"] = torch.rand(c.hidden_size) + 0.5
+    return weights
+
+
+def stored_model(attention_bias: bool, storage: str, quantization: str = "none") -> LlamaForCausalLM:
+    """A tiny random Llama keeping its 2-D weights as `storage` says: one GGML type's name for every
+    one, or "mixed" (`MIXED`, else Q4_K); then rounded as `quantization` asks, as the model runner does."""
+    config = tiny_config(attention_bias)
+    weights = []
+    for name, tensor in checkpoint(config).items():
+        if tensor.dim() == 2:
+            shard = name.split(".")[-2]
+            qtype = MIXED.get(shard, Q.Q4_K) if storage == "mixed" else Q[storage]
+            if qtype in K_TYPES:  # gguf-py cannot round into these: random bits of the same magnitude
+                scale = float(tensor.std())
+                tensor = random_stored_tensor(qtype, tensor.shape[0], tensor.shape[1], len(weights), scale)
+            elif qtype == Q.F32:
+                tensor = StoredTensor.from_dense(tensor)
+            else:
+                tensor = StoredTensor.rounded(tensor, qtype)
+        weights.append((name, tensor))
+    model = LlamaForCausalLM(config, stored=True)
+    model.load_weights(weights)
+    model.prepare_kernels(quantization)  # type: ignore[arg-type]
     return model.eval()
 
 
@@ -71,23 +104,25 @@ def decode_metadata(lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
 
 
 @pytest.mark.parametrize(
-    ("rows", "attention_bias", "quantization", "int8_activations"),
+    ("rows", "attention_bias", "storage", "quantization"),
     [
-        (1, False, "int4", False),
-        (3, True, "int8", False),
-        (BLOCK_ROWS, False, "int8", False),
-        (1, False, "int4", True),
-        (5, True, "int8", True),
-        (BLOCK_ROWS + 3, True, "int8", False),  # more rows than the blocks take: the packed weights
-        (BLOCK_ROWS + 12, False, "int4", True),
-        (1, True, "none", False),  # no blocks: the packed weights at every size
-        (BLOCK_ROWS + 1, False, "none", False),
+        (1, False, "Q4_1", "none"),  # blocks multiplied in registers (block_gemv.c)
+        (3, True, "Q8_0", "none"),
+        (BLOCK_ROWS, False, "Q4_1", "none"),
+        (1, False, "F32", "int4"),  # int8 activations (block_q8.c)
+        (5, True, "F32", "int8"),
+        (BLOCK_ROWS + 3, True, "Q8_0", "none"),  # more rows than those take: weight_gemm.c
+        (BLOCK_ROWS + 12, False, "F32", "int4"),
+        (1, True, "mixed", "none"),  # K types: weight_gemm.c at every size
+        (BLOCK_ROWS + 1, False, "mixed", "none"),
+        (2, False, "F16", "none"),
+        (4, True, "BF16", "none"),
     ],
 )
 def test_native_decoder_matches_the_torch_layers(
-    rows: int, attention_bias: bool, quantization: str, int8_activations: bool
+    rows: int, attention_bias: bool, storage: str, quantization: str
 ) -> None:
-    model = block_model(attention_bias, quantization, int8_activations)
+    model = stored_model(attention_bias, storage, quantization)
     assert model.native_decoder is not None
     c = model.config
     gen = torch.Generator().manual_seed(rows)
@@ -117,7 +152,7 @@ def test_native_decoder_matches_the_torch_layers(
 
 
 def test_steps_with_a_prefill_keep_the_torch_path() -> None:
-    decoder = block_model(False, "int8").native_decoder
+    decoder = stored_model(False, "F32", "int8").native_decoder
     assert decoder is not None
     tables = torch.zeros(40, 2, dtype=torch.int64)
     assert decoder.accepts(decode_metadata([1] * 40, tables))
@@ -129,18 +164,16 @@ def test_steps_with_a_prefill_keep_the_torch_path() -> None:
     assert not decoder.accepts(meta)
 
 
-def test_only_a_model_read_alike_by_every_projection_gets_one() -> None:
-    model = block_model(False, "int8")
+def test_only_a_model_stored_alike_by_every_projection_gets_one() -> None:
+    model = stored_model(False, "Q4_1")
     assert NativeDecoder.applies_to(model)
+    assert NativeDecoder(model).spec.block_rows == BLOCK_ROWS
+    assert NativeDecoder(stored_model(False, "mixed")).spec.block_rows == 0  # K types: weight_gemm.c
     down = model.layers[1].mlp.down_proj
-    assert isinstance(down.kernel, BlockKernel)
-    down.kernel = down.kernel.large  # one projection without blocks
+    down.kernel = lambda x: x  # one projection without a stored weight
     assert not NativeDecoder.applies_to(model)
-    model = block_model(False, "none")
-    assert NativeDecoder.applies_to(model)
-    down = model.layers[1].mlp.down_proj
-    down.kernel = OneDNNKernel(torch.randn(down.out_features, down.in_features), None)
-    assert not NativeDecoder.applies_to(model)  # one projection not packed
-    model = block_model(False, "int8")
-    model.layers[0].mlp.down_proj.kernel.int8_activations = True  # type: ignore[union-attr]
-    assert not NativeDecoder.applies_to(model)  # activations rounded in one projection only
+    model = stored_model(False, "F32", "int8")
+    kernel = model.layers[0].mlp.down_proj.kernel
+    assert isinstance(kernel, StoredKernel)
+    kernel.int8_activations = False  # activations rounded in all projections but one
+    assert not NativeDecoder.applies_to(model)

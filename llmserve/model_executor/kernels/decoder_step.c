@@ -1,14 +1,16 @@
 /* A decode step of any number of sequences through every decoder layer in one call, for CPUs.
  *
- * At one to a few rows the projections read GGUF blocks (block_gemv.c) in ~1/3 ms a layer, but the same
- * layer written as PyTorch ops is some fifty calls of 2-17 us each: half of a single-stream step went to
- * them. Here the whole stack runs in one OpenMP parallel region, the threads meeting at a barrier after
- * each projection: RMSNorm -> QKV -> RoPE -> KV write -> paged attention -> o_proj + residual ->
- * RMSNorm -> gate/up -> SiLU * up -> down + residual, per layer, then the final RMSNorm.
+ * At one to a few rows a layer's products take ~1/3 ms, but the same layer written as PyTorch ops is some
+ * fifty calls of 2-17 us each: half of a single-stream step went to them. Here the whole stack runs in
+ * one OpenMP parallel region, the threads meeting at a barrier after each projection: RMSNorm -> QKV ->
+ * RoPE -> KV write -> paged attention -> o_proj + residual -> RMSNorm -> gate/up -> SiLU * up -> down +
+ * residual, per layer, then the final RMSNorm.
  *
- * Steps of more than `block_rows` rows, and models without blocks, multiply the packed fp32 weights
- * (gemm.c) instead, as the PyTorch path's kernels do at that size; the norms, RoPE and SiLU are then
- * split between the threads by rows.
+ * Every projection multiplies its weight in the stored format (weight_gemm.c). Steps of up to
+ * `block_rows` rows of a model whose projections are all Q4_1 or Q8_0 read those blocks through
+ * block_gemv.c instead (with int8 activations, block_q8.c), which multiplies each block without
+ * widening it to memory first; the norms, RoPE and SiLU are then split between the threads by output
+ * features rather than rows.
  *
  * It computes what the PyTorch path computes (same weights, same fp32 arithmetic, rotate-half RoPE from
  * the same tables), only summing in another order.
@@ -21,15 +23,8 @@
 #include "kernels.h"
 
 typedef struct {
-    const uint8_t *blocks; /* [out, in / 32] GGUF blocks, or NULL */
-    const float *packed;   /* the same weight in fp32, as gemm.c's panels */
-    const float *bias;     /* [out] or NULL */
-    int64_t qtype;
-} Projection;
-
-typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
-    Projection qkv, o, gate_up, down;    /* gate_up: the gate's rows, then the up's */
+    Weight qkv, o, gate_up, down;          /* gate_up: the gate's rows, then the up's */
     float *k_cache, *v_cache;            /* [kv_heads, num_blocks, block_size, head_dim] */
 } LayerSpec;
 
@@ -37,7 +32,7 @@ typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int64_t num_blocks, block_size;
     int64_t int8_activations; /* round each projection's input as block_q8.c does */
-    int64_t block_rows;       /* steps of up to this many rows read the blocks, when there are */
+    int64_t block_rows;       /* steps of up to this many rows read Q4_1/Q8_0 blocks by block_gemv.c */
     float eps, scale;
     const LayerSpec *layers;
     const float *rope_cos, *rope_sin; /* [max_positions, head_dim / 2] */
@@ -75,14 +70,14 @@ static void rope(float *x, int64_t heads, int64_t head_dim, const float *cos, co
 typedef struct {
     const int64_t *positions, *slots, *block_tables, *seq_lens; /* see decoder_step */
     int64_t rows, max_blocks, max_len;
-    int read_blocks;  /* this step's projections read the blocks, else the packed weights */
+    int read_blocks;  /* this step's projections go through block_gemv.c, else weight_gemm.c */
     float *normed;    /* [rows, max(hidden, q_size)]: the normed residual, then the attention output */
     float *wide;      /* [rows, max(qkv width, intermediate)]: the QKV, then the MLP's hidden */
-    float *gate_up;   /* [rows, 2 intermediate] from the packed weights */
+    float *gate_up;   /* [rows, 2 intermediate] from weight_gemm.c */
     BlockInput input; /* whichever feeds the next projection, as the blocks read it */
     float *sums;      /* its block sums, then its int8 scales */
     int8_t *q;        /* its int8 rounding, or NULL for fp32 activations */
-    float *rounded;   /* the same rounding in fp32, for the packed weights */
+    float *rounded;   /* the same rounding in fp32, for weight_gemm.c */
     float *scores;    /* [threads, group, max_len] */
 } Step;
 
@@ -104,20 +99,32 @@ static void feed(const DecoderSpec *s, Step *t, const float *x, int64_t in)
     }
 }
 
+/* Row o of W, which block_gemv.c reads: its blocks, and their type in *qtype. */
+static const uint8_t *block_row(const Weight *w, int64_t o, int64_t in, int *qtype)
+{
+    int64_t p = 0;
+    while (o >= w->parts[p].rows)
+        o -= w->parts[p++].rows;
+    *qtype = (int)w->parts[p].qtype;
+    return w->parts[p].data + o * (in / QK) * block_bytes(*qtype);
+}
+
 /* y[r, o] (+)= x[r] . W[o] + bias[o], y: [rows, out], for this thread's share of the outputs; `accumulate` adds into y. */
-static void project(const Projection *p, const Step *t, int64_t out, float *y, int accumulate)
+static void project(const Weight *p, const Step *t, int64_t out, float *y, int accumulate)
 {
     if (!t->read_blocks) {
-        gemm_share(t->input.x, t->rows, t->input.in, p->packed, out, p->bias, y, accumulate);
+        weight_gemm_share(t->input.x, t->rows, t->input.in, p, y, accumulate);
 #pragma omp barrier
         return;
     }
     const BlockInput *x = &t->input;
-    const int64_t row_bytes = x->in / QK * block_bytes((int)p->qtype), rows = x->rows;
+    const int64_t rows = x->rows;
 #pragma omp for schedule(static)
     for (int64_t o = 0; o < out; o++) {
         float acc[BLOCK_GEMV_MAX_ROWS];
-        block_gemv_row(x, p->blocks + o * row_bytes, (int)p->qtype, acc);
+        int qtype;
+        const uint8_t *row = block_row(p, o, x->in, &qtype);
+        block_gemv_row(x, row, qtype, acc);
         for (int64_t r = 0; r < rows; r++) {
             const float v = acc[r] + (p->bias ? p->bias[o] : 0.0f);
             y[r * out + o] = accumulate ? y[r * out + o] + v : v;
@@ -131,11 +138,11 @@ static inline float silu(float x)
 }
 
 /* h = SiLU(gate) * up for this thread's share of the intermediate features (gate and up read together
- * from the blocks), or of the rows (after the packed product of both). */
-static void gate_up_silu(const Projection *p, const Step *t, int64_t inter, float *h)
+ * from the blocks), or of the rows (after weight_gemm.c's product of both). */
+static void gate_up_silu(const Weight *p, const Step *t, int64_t inter, float *h)
 {
     if (!t->read_blocks) {
-        gemm_share(t->input.x, t->rows, t->input.in, p->packed, 2 * inter, p->bias, t->gate_up, 0);
+        weight_gemm_share(t->input.x, t->rows, t->input.in, p, t->gate_up, 0);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < t->rows; r++)
@@ -144,12 +151,15 @@ static void gate_up_silu(const Projection *p, const Step *t, int64_t inter, floa
         return;
     }
     const BlockInput *x = &t->input;
-    const int64_t row_bytes = x->in / QK * block_bytes((int)p->qtype), rows = x->rows;
+    const int64_t rows = x->rows;
 #pragma omp for schedule(static)
     for (int64_t o = 0; o < inter; o++) {
         float gate[BLOCK_GEMV_MAX_ROWS], up[BLOCK_GEMV_MAX_ROWS];
-        block_gemv_row(x, p->blocks + o * row_bytes, (int)p->qtype, gate);
-        block_gemv_row(x, p->blocks + (inter + o) * row_bytes, (int)p->qtype, up);
+        int gate_type, up_type;
+        const uint8_t *gate_row = block_row(p, o, x->in, &gate_type);
+        const uint8_t *up_row = block_row(p, inter + o, x->in, &up_type);
+        block_gemv_row(x, gate_row, gate_type, gate);
+        block_gemv_row(x, up_row, up_type, up);
         for (int64_t r = 0; r < rows; r++)
             h[r * inter + o] = silu(gate[r]) * up[r];
     }
@@ -227,7 +237,7 @@ int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const
                  const int64_t *block_tables, const int64_t *seq_lens, int64_t rows, int64_t max_blocks,
                  float *out, int num_threads)
 {
-    const int read_blocks = s->layers[0].qkv.blocks != NULL && rows <= s->block_rows;
+    const int read_blocks = rows <= s->block_rows;
     if (rows < 1 || (read_blocks && rows > BLOCK_GEMV_MAX_ROWS) ||
         ((read_blocks || s->int8_activations) && (s->hidden % QK || s->intermediate % QK)))
         return -1;

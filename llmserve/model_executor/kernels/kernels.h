@@ -1,6 +1,10 @@
-/* What the kernels share: GGUF block products (block_gemv.c with fp32 activations, block_q8.c with int8
- * ones), the packed fp32 product (gemm.c) and one (sequence, KV head) of decode attention
- * (paged_attention.c), which decoder_step.c strings together. */
+/* What the kernels share: weights in their stored formats (dequant.c, weight_gemm.c), GGUF block products
+ * for a few rows (block_gemv.c with fp32 activations, block_q8.c with int8 ones) and one (sequence, KV
+ * head) of decode attention (paged_attention.c), which decoder_step.c strings together.
+ *
+ * The library is compiled once per instruction set (see native.py): code under USE_AVX2 runs on the
+ * AVX2 and AVX-512 builds, the portable C beside it everywhere, and weight_gemm.c's vectors take the
+ * width of the build. */
 #ifndef LLMSERVE_KERNELS_H
 #define LLMSERVE_KERNELS_H
 
@@ -10,20 +14,15 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define USE_AVX2 1
-/* gemm.c: W [n, k] as panels of GEMM_PANEL rows, [ceil(n / GEMM_PANEL)][k][GEMM_PANEL], zero-padded. */
-#define GEMM_PANEL 16
-void pack_weight(const float *w, int64_t n, int64_t k, float *packed);
-
-/* y [m, n] = x [m, k] @ W.T (+ bias) (+ y when `accumulate`), for this thread's share of the panels:
- * called by every thread of a parallel region. */
-void gemm_share(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
-                float *y, int accumulate);
-
 #endif
 
-#define QK 32 /* weights per GGUF block */
+#define QK 32 /* weights per block of the legacy GGUF types */
+#define QK_K 256 /* weights per super-block of the K types */
 #define BLOCK_GEMV_MAX_ROWS 16
-enum { Q4_1 = 3, Q8_0 = 8 }; /* GGML type ids */
+
+/* GGML type ids of the stored weights we read. */
+enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+       BF16 = 30 };
 
 /* The fp16 at p (a block's scale or minimum) as a float. */
 static inline float read_half(const uint8_t *p)
@@ -37,15 +36,6 @@ static inline float read_half(const uint8_t *p)
     const float magnitude = exp == 0 ? ldexpf((float)mant, -24) : ldexpf((float)(mant | 0x400), exp - 25);
     const float value = exp == 0x1f ? (mant ? NAN : INFINITY) : magnitude;
     return h & 0x8000 ? -value : value;
-/* gemm.c: W [n, k] as panels of GEMM_PANEL rows, [ceil(n / GEMM_PANEL)][k][GEMM_PANEL], zero-padded. */
-#define GEMM_PANEL 16
-void pack_weight(const float *w, int64_t n, int64_t k, float *packed);
-
-/* y [m, n] = x [m, k] @ W.T (+ bias) (+ y when `accumulate`), for this thread's share of the panels:
- * called by every thread of a parallel region. */
-void gemm_share(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
-                float *y, int accumulate);
-
 #endif
 }
 
@@ -57,23 +47,39 @@ static inline float hsum(__m256 v)
     s = _mm_hadd_ps(s, s);
     return _mm_cvtss_f32(s);
 }
-/* gemm.c: W [n, k] as panels of GEMM_PANEL rows, [ceil(n / GEMM_PANEL)][k][GEMM_PANEL], zero-padded. */
-#define GEMM_PANEL 16
-void pack_weight(const float *w, int64_t n, int64_t k, float *packed);
-
-/* y [m, n] = x [m, k] @ W.T (+ bias) (+ y when `accumulate`), for this thread's share of the panels:
- * called by every thread of a parallel region. */
-void gemm_share(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
-                float *y, int accumulate);
-
 #endif
 
-/* Bytes of one block of this type, or 0 for a type we do not read. Inline, so that the kernels
+/* Bytes of one block of the types block_gemv.c reads, or 0 for another type. Inline, so that the kernels
  * specialised per type see a constant stride. */
 static inline int64_t block_bytes(int qtype)
 {
     return qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : 0;
 }
+
+/* dequant.c: bytes of a row of k weights of this type, or 0 for a type we do not read or a k that is not
+ * whole blocks. */
+int64_t row_bytes(int qtype, int64_t k);
+
+/* dst[0:k] = the row's weights as fp32, exactly the values `gguf.quants.dequantize` gives. */
+void dequantize_row(int qtype, const uint8_t *src, int64_t k, float *dst);
+
+/* weight_gemm.c: a weight W [n, k] in its stored format, as up to three parts of rows stacked (a fused
+ * projection whose checkpoint shards have different types), and an optional bias [n]. */
+#define MAX_WEIGHT_PARTS 3
+typedef struct {
+    const uint8_t *data; /* [rows, row_bytes(qtype, k)] */
+    int64_t qtype, rows;
+} WeightPart;
+
+typedef struct {
+    WeightPart parts[MAX_WEIGHT_PARTS];
+    int64_t num_parts;
+    const float *bias;
+} Weight;
+
+/* y [m, n] = x [m, k] @ W.T (+ bias) (+ y when `accumulate`), for this thread's share of W's rows:
+ * called by every thread of a parallel region. */
+void weight_gemm_share(const float *x, int64_t m, int64_t k, const Weight *w, float *y, int accumulate);
 
 /* Rows x [rows, in] as a block product reads them: with sums[r, b], the sum of block b of row r (the
  * Q4_1 minimum's term); or, when q is set, rounded to int8 per block (q [rows, in], scales and sums
@@ -109,14 +115,5 @@ void q8_dot_rows(const BlockInput *in, const uint8_t *w, int qtype, float *acc);
 void attend_one(const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t len,
                 float *out, int64_t group, int64_t head_dim, int64_t block_size, int64_t head_stride, float scale,
                 float *scores);
-
-/* gemm.c: W [n, k] as panels of GEMM_PANEL rows, [ceil(n / GEMM_PANEL)][k][GEMM_PANEL], zero-padded. */
-#define GEMM_PANEL 16
-void pack_weight(const float *w, int64_t n, int64_t k, float *packed);
-
-/* y [m, n] = x [m, k] @ W.T (+ bias) (+ y when `accumulate`), for this thread's share of the panels:
- * called by every thread of a parallel region. */
-void gemm_share(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
-                float *y, int accumulate);
 
 #endif

@@ -1,13 +1,16 @@
 """Our C kernels: compiled on first use with the machine's C compiler, cached, called through ctypes.
 
 Plain C rather than a PyTorch C++ extension: against torch's headers a build takes about a minute on a
-small machine, this one well under a second. The library is built for this CPU (-march=native), so the
-cache key includes the CPU's flags. Without a compiler the callers keep the PyTorch path.
+small machine, this one well under a second. The same sources are compiled once per instruction set
+(`ISAS`: AVX-512, AVX2, and portable C), and the best the CPU has is chosen at start-up and logged;
+`LLMSERVE_CPU_ISA=avx2` (or `generic`) forces a lower one, which is how the tests cover every variant on
+one machine. Without a compiler the callers keep the PyTorch path.
 
+- `dequant.c`: rows of a weight in its stored format (GGUF blocks, fp16, bf16) widened to fp32.
+- `weight_gemm.c`: fp32 rows times a weight in its stored format, at any number of rows.
 - `paged_attention.c`: decode attention reading the paged KV cache in place.
-- `block_gemv.c`: a few rows times a weight kept in its GGUF blocks (Q4_1, Q8_0); `block_q8.c` the
-  same with the rows rounded to int8 (`--quantization int8|int4`).
-- `gemm.c`: fp32 rows times a weight packed once into panels, for batches and prefill.
+- `block_gemv.c`: a few rows times Q4_1/Q8_0 blocks, each block multiplied in registers; `block_q8.c`
+  the same with the rows rounded to int8 (`--quantization int8|int4`).
 - `decoder_step.c`: a decode step through every decoder layer, from those.
 """
 
@@ -18,21 +21,28 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 from pathlib import Path
 
 import torch
 
-from llmserve.model_executor.huge_pages import empty_huge
-
 logger = logging.getLogger(__name__)
 
 _SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
+
+# Instruction set → (the CPU flags it needs, its compiler flags), best first. x86-64-v4 is AVX-512
+# F/BW/CD/DQ/VL; v3 is AVX2 with FMA and F16C. On other CPUs only `generic`, built for the host.
+ISAS: dict[str, tuple[frozenset[str], list[str]]] = {
+    "avx512": (frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}), ["-march=x86-64-v4"]),
+    "avx2": (frozenset({"avx2", "fma", "f16c", "bmi2", "movbe"}), ["-march=x86-64-v3"]),
+    "generic": (frozenset(), ["-march=x86-64"] if platform.machine() in ("x86_64", "AMD64") else ["-O3"]),
+}
 
 
 def cache_dir() -> Path:
@@ -40,15 +50,44 @@ def cache_dir() -> Path:
     return Path(root).expanduser() / "llmserve" / "kernels"
 
 
+def cpu_flags() -> frozenset[str]:
+    with open("/proc/cpuinfo") as f:
+        line = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def supported_isas() -> list[str]:
+    """The instruction sets this CPU runs, best first."""
+    flags = cpu_flags()
+    return [isa for isa, (needs, _) in ISAS.items() if needs <= flags]
+
+
+def selected_isa() -> str:
+    """The best supported instruction set, or `LLMSERVE_CPU_ISA` where it names a supported one."""
+    supported = supported_isas()
+    forced = os.environ.get("LLMSERVE_CPU_ISA")
+    if forced is None:
+        return supported[0]
+    if forced not in supported:
+        raise ValueError(f"LLMSERVE_CPU_ISA={forced!r}: this CPU runs {', '.join(supported)}.")
+    return forced
+
+
+def load_library(isa: str | None = None) -> ctypes.CDLL | None:
+    """The kernels built for `isa` (default: `selected_isa()`), or None (logged once) where they cannot
+    be built."""
+    return _load(isa or selected_isa())
+
+
 @functools.cache
-def load_library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (logged once) where they cannot be built."""
+def _load(isa: str) -> ctypes.CDLL | None:
     try:
-        library = ctypes.CDLL(str(_build()))
+        library = ctypes.CDLL(str(_build(isa)))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", b"") or b""
         logger.warning("Native kernels unavailable (%s %s); using PyTorch's.", error, detail.decode())
         return None
+    logger.info("Native kernels: %s build.", isa)
     library.paged_decode_attention.argtypes = [_PTR] * 6 + [_I64] * 7 + [ctypes.c_float, ctypes.c_int]
     library.paged_decode_attention.restype = ctypes.c_int
     library.block_gemv.argtypes = [
@@ -64,33 +103,39 @@ def load_library() -> ctypes.CDLL | None:
     ]
     library.block_gemv.restype = ctypes.c_int
     library.round_rows.argtypes = [_PTR, _I64, _I64, _PTR]
-    library.pack_weight.argtypes = [_PTR, _I64, _I64, _PTR]
-    library.gemm.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, ctypes.c_int]
+    library.row_bytes.argtypes = [ctypes.c_int, _I64]
+    library.row_bytes.restype = _I64
+    library.dequantize_rows.argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _I64, _PTR, ctypes.c_int]
+    library.dequantize_rows.restype = ctypes.c_int
+    library.weight_gemm.argtypes = [_PTR, _I64, _I64, ctypes.POINTER(Weight), _PTR, ctypes.c_int]
+    library.weight_gemm.restype = ctypes.c_int
     spec, i64, ptr = ctypes.POINTER(DecoderSpec), _I64, _PTR
     library.decoder_step.argtypes = [spec, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int]
     library.decoder_step.restype = ctypes.c_int
     return library
 
 
-def _build() -> Path:
+def _build(isa: str) -> Path:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (set CC)")
+    flags = [*_FLAGS, *ISAS[isa][1]]
     key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS))
-    key.update(" ".join([compiler, *_FLAGS]).encode() + _cpu_flags())
-    target = cache_dir() / f"llmserve_kernels-{key.hexdigest()[:16]}.so"
+    key.update(" ".join([compiler, *flags]).encode())
+    target = cache_dir() / f"llmserve_kernels-{isa}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f"{target.stem}.{os.getpid()}.partial")
-        command = [compiler, *_FLAGS, "-o", str(partial), *map(str, _SOURCES), "-lm"]
+        command = [compiler, *flags, "-o", str(partial), *map(str, _SOURCES), "-lm"]
         subprocess.run(command, check=True, capture_output=True)
         os.replace(partial, target)  # atomic: concurrent builders each install a whole library
     return target
 
 
-def _cpu_flags() -> bytes:
-    with open("/proc/cpuinfo", "rb") as f:
-        return next((line for line in f if line.startswith(b"flags")), b"")
+def _library() -> ctypes.CDLL:
+    library = load_library()
+    assert library is not None, "check load_library() first"
+    return library
 
 
 def paged_decode_attention(
@@ -101,8 +146,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [batch] int64, each >= 1
     scale: float,
 ) -> torch.Tensor:
-    library = load_library()
-    assert library is not None, "check load_library() first"
+    library = _library()
     q = q.contiguous()
     out = torch.empty_like(q)
     batch, num_heads, head_dim = q.shape
@@ -138,8 +182,7 @@ def block_gemv(
 ) -> torch.Tensor:
     """x [rows <= 16, in] fp32 @ W.T, W [out_features, in] held as GGUF blocks [out_features, row_bytes];
     with `int8_activations`, x rounded per block of 32 first (block_q8.c)."""
-    library = load_library()
-    assert library is not None, "check load_library() first"
+    library = _library()
     x = x.contiguous()
     y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     status = library.block_gemv(
@@ -162,8 +205,7 @@ def block_gemv(
 
 def round_rows(x: torch.Tensor) -> torch.Tensor:
     """x [rows, in] fp32, each block of 32 rounded to int8 and back (block_q8.c's rounding)."""
-    library = load_library()
-    assert library is not None, "check load_library() first"
+    library = _library()
     x = x.contiguous()
     if x.shape[-1] % 32:
         raise ValueError(f"round_rows needs rows of 32k values, got {x.shape[-1]}.")
@@ -172,53 +214,64 @@ def round_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-GEMM_PANEL = 16  # weight rows per packed panel (gemm.c)
+def row_bytes(qtype: int, in_features: int) -> int:
+    """Bytes of one row of `in_features` weights stored as `qtype`; 0 for a type or width we do not read."""
+    return int(_library().row_bytes(qtype, in_features))
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """W [out, in] fp32 → the panels `gemm` reads, [ceil(out / 16), in, 16], the last zero-padded."""
-    library = load_library()
-    assert library is not None, "check load_library() first"
-    weight = weight.detach().contiguous()
-    out_features, in_features = weight.shape
-    packed = empty_huge((-(-out_features // GEMM_PANEL), in_features, GEMM_PANEL), torch.float32)
-    library.pack_weight(weight.data_ptr(), out_features, in_features, packed.data_ptr())
-    return packed
-
-
-def gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [rows, in] fp32 @ W.T (+ bias), W packed by `pack_weight`."""
-    library = load_library()
-    assert library is not None, "check load_library() first"
-    x = x.contiguous()
-    if x.shape[1] != packed.shape[1]:
-        raise ValueError(f"gemm: x has {x.shape[1]} features, the weight {packed.shape[1]}.")
-    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    library.gemm(
-        x.data_ptr(),
-        x.shape[0],
-        x.shape[1],
-        packed.data_ptr(),
-        out_features,
-        0 if bias is None else bias.data_ptr(),
-        y.data_ptr(),
+def dequantize_rows(data: torch.Tensor, qtype: int, in_features: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [n] int64 of a weight stored as `qtype`, data [rows, row_bytes] uint8 → [n, in] fp32:
+    an embedding lookup, or (all ids) the whole weight, with the values `gguf.quants.dequantize` gives."""
+    ids = ids.contiguous()
+    out = torch.empty(ids.shape[0], in_features, dtype=torch.float32)
+    status = _library().dequantize_rows(
+        data.data_ptr(),
+        qtype,
+        in_features,
+        ids.data_ptr(),
+        ids.shape[0],
+        out.data_ptr(),
         torch.get_num_threads(),
     )
+    if status != 0:
+        raise ValueError(f"dequantize_rows cannot read type {qtype} at width {in_features}.")
+    return out
+
+
+MAX_WEIGHT_PARTS = 3
+
+
+class WeightPart(ctypes.Structure):
+    _fields_ = [("data", _PTR), ("qtype", _I64), ("rows", _I64)]
+
+
+class Weight(ctypes.Structure):
+    """weight_gemm.c's view of a stored weight: up to three parts of rows stacked, and a bias. The tensors
+    behind the addresses must outlive it."""
+
+    _fields_ = [("parts", WeightPart * MAX_WEIGHT_PARTS), ("num_parts", _I64), ("bias", _PTR)]
+
+
+def weight_gemm(x: torch.Tensor, weight: Weight, out_features: int) -> torch.Tensor:
+    """x [rows, in] fp32 @ W.T (+ bias), W stored as `weight` describes."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    status = _library().weight_gemm(
+        x.data_ptr(), x.shape[0], x.shape[1], ctypes.byref(weight), y.data_ptr(), torch.get_num_threads()
+    )
+    if status != 0:
+        raise ValueError(f"weight_gemm cannot take x {tuple(x.shape)} with this weight's types.")
     return y
-
-
-class Projection(ctypes.Structure):
-    _fields_ = [("blocks", _PTR), ("packed", _PTR), ("bias", _PTR), ("qtype", _I64)]
 
 
 class LayerSpec(ctypes.Structure):
     _fields_ = [
         ("input_norm", _PTR),
         ("post_norm", _PTR),
-        ("qkv", Projection),
-        ("o", Projection),
-        ("gate_up", Projection),
-        ("down", Projection),
+        ("qkv", Weight),
+        ("o", Weight),
+        ("gate_up", Weight),
+        ("down", Weight),
         ("k_cache", _PTR),
         ("v_cache", _PTR),
     ]
@@ -250,8 +303,7 @@ def decoder_step(
     seq_lens: torch.Tensor,  # [rows] int64, including the new token
 ) -> torch.Tensor:
     """Hidden states [rows, hidden] after the final norm; writes each layer's new K and V to the cache."""
-    library = load_library()
-    assert library is not None, "check load_library() first"
+    library = _library()
     assert x.is_contiguous() and block_tables.is_contiguous()
     out = torch.empty_like(x)
     status = library.decoder_step(

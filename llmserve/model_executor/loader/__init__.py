@@ -6,13 +6,12 @@ weights. Each is loaded on its own so neither process pays for what it does not 
 
 from llmserve.model_executor.loader.model_source import ModelSource, resolve_model
 from llmserve.model_executor.loader.tokenizer import load_tokenizer
-from llmserve.model_executor.loader.weights import iter_gguf_blocks, iter_weights, load_model_config
+from llmserve.model_executor.loader.weights import iter_weights, load_model_config
 
 __all__ = [
     "ModelSource",
     "resolve_model",
     "load_tokenizer",
     "iter_weights",
-    "iter_gguf_blocks",
     "load_model_config",
 ]

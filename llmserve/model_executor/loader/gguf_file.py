@@ -156,8 +156,10 @@ def _parse(path: Path, cur: _Cursor, file_size: int) -> GGUFHeader:
 
 
 def map_tensor_data(path: Path) -> np.ndarray:
-    """The whole file as a read-only uint8 memory map, to slice tensors from."""
-    return np.memmap(path, dtype=np.uint8, mode="r")
+    """The whole file as a uint8 memory map, to slice tensors from. Copy-on-write, so that tensors can
+    be views of it (torch wants writable memory); nothing writes to it, so its pages stay the page
+    cache's, shared with every other process that maps the file."""
+    return np.memmap(path, dtype=np.uint8, mode="c")
 
 
 def tensor_bytes(data: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:

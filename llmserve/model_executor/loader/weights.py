@@ -1,8 +1,10 @@
 """A model's config and its weights, under Hugging Face names, from either checkpoint format.
 
-Weights are yielded one tensor at a time as float32 on the CPU, so the model copies each into its
-own dtype and device without the whole checkpoint ever being held twice. float32 is lossless for
-every format we read (bf16, fp16, and GGUF blocks, which dequantize to float32 anyway).
+Weights are yielded one tensor at a time, so the whole checkpoint is never held twice: as float32 on
+the CPU for a model that copies each into its own dtype and device (float32 is lossless for every
+format we read), or, for the CPU kernels, each 2-D weight as the checkpoint stores it (`StoredTensor`).
+A GGUF's blocks are then views of the memory-mapped file: nothing is copied, the page cache holds
+them once for every engine process on the machine, and start-up reads only the header.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import torch
 from gguf.quants import dequantize
 from safetensors import safe_open
 
+from llmserve.model_executor.kernels import native
+from llmserve.model_executor.layers.stored_weight import StoredTensor
 from llmserve.model_executor.loader.gguf_file import (
     GGUFHeader,
     map_tensor_data,
@@ -124,14 +128,18 @@ def _gguf_rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None
     return scaling
 
 
-def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(HF parameter name, float32 CPU tensor in HF's shape)`, one tensor at a time."""
+Weights = Iterator[tuple[str, "torch.Tensor | StoredTensor"]]
+
+
+def iter_weights(source: ModelSource, stored: bool = False) -> Weights:
+    """Yield `(HF parameter name, tensor in HF's shape)`, one at a time: float32 CPU tensors, or with
+    `stored` each 2-D weight as a `StoredTensor` of the checkpoint's bytes (needs the C kernels)."""
     if source.format == "hf":
-        return _iter_safetensors(source)
-    return _iter_gguf(source)
+        return _iter_safetensors(source, stored)
+    return _iter_gguf(source, stored)
 
 
-def _iter_safetensors(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(source: ModelSource, stored: bool) -> Weights:
     tied = load_model_config(source).tie_word_embeddings
     for file in sorted(source.path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
@@ -141,46 +149,41 @@ def _iter_safetensors(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]
                     continue  # a buffer the model recomputes, or a copy of the embedding
                 if not _HF_NAME.fullmatch(name):
                     raise ValueError(f"Unexpected tensor {name!r} in {file}.")
-                yield name, f.get_tensor(name).float()
+                tensor = f.get_tensor(name)
+                if stored and tensor.dim() == 2:
+                    is_float = tensor.dtype in (torch.float32, torch.float16, torch.bfloat16)
+                    yield name, StoredTensor.from_dense(tensor if is_float else tensor.float())
+                else:
+                    yield name, tensor.float()
 
 
-def _iter_gguf(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_gguf(source: ModelSource, stored: bool) -> Weights:
     header = read_gguf_header(source.path)
     config = _gguf_config(header)
     permuted = header.architecture in _PERMUTED_ARCHITECTURES
     data = map_tensor_data(source.path)
     for gguf_name, info in header.tensors.items():
         name = _hf_name(gguf_name, source)
-        try:
-            array = dequantize(tensor_bytes(data, info), info.qtype)
-        except NotImplementedError as e:
-            raise ValueError(f"Tensor {gguf_name!r} in {source.path}: {e}") from e
-        # F32 comes back as a read-only view of the file; torch needs its own writable copy.
-        tensor = torch.from_numpy(array if array.flags.writeable else np.array(array))
+        raw = tensor_bytes(data, info)
+        if stored and len(info.shape) == 2 and native.row_bytes(int(info.qtype), info.shape[1]) > 0:
+            tensor: torch.Tensor = torch.from_numpy(raw)  # the mapped file itself
+        else:
+            try:
+                array = dequantize(raw, info.qtype)
+            except NotImplementedError as e:
+                raise ValueError(f"Tensor {gguf_name!r} in {source.path}: {e}") from e
+            # F32 comes back as a view of the file; the model's copy must not write through to it.
+            tensor = torch.from_numpy(np.array(array, dtype=np.float32))
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-            tensor = _unpermute_rows(tensor, config.num_attention_heads)
+            tensor = _unpermute_rows(tensor, config.num_attention_heads)  # a copy, in HF's row order
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             tensor = _unpermute_rows(tensor, config.num_key_value_heads)
-        yield name, tensor
-
-
-def iter_gguf_blocks(source: ModelSource, qtypes: set[int]) -> Iterator[tuple[str, int, torch.Tensor]]:
-    """Yield `(HF name, GGML type, raw blocks [rows, row_bytes] uint8)` for each 2-D weight stored in
-    one of `qtypes`, q/k rows in HF's order as in `iter_weights`: for kernels that read blocks as they are."""
-    header = read_gguf_header(source.path)
-    config = _gguf_config(header)
-    permuted = header.architecture in _PERMUTED_ARCHITECTURES
-    data = map_tensor_data(source.path)
-    for gguf_name, info in header.tensors.items():
-        if int(info.qtype) not in qtypes or len(info.shape) != 2:
-            continue
-        name = _hf_name(gguf_name, source)
-        blocks = torch.from_numpy(np.array(tensor_bytes(data, info)))
-        if permuted and name.endswith("q_proj.weight"):
-            blocks = _unpermute_rows(blocks, config.num_attention_heads)
-        elif permuted and name.endswith("k_proj.weight"):
-            blocks = _unpermute_rows(blocks, config.num_key_value_heads)
-        yield name, int(info.qtype), blocks.contiguous()
+        if tensor.dtype == torch.uint8:
+            yield name, StoredTensor(int(info.qtype), tensor, info.shape[1])
+        elif stored and tensor.dim() == 2:
+            yield name, StoredTensor.from_dense(tensor)
+        else:
+            yield name, tensor
 
 
 def _hf_name(gguf_name: str, source: ModelSource) -> str:

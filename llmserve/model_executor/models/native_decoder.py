@@ -1,11 +1,9 @@
 """Decode steps of a Llama through `kernels/decoder_step.c`: every layer in one C call.
 
-Taken when the model runs on the CPU in fp32 with our kernels for every projection (`PackedKernel`, or a
-`BlockKernel` over GGUF blocks with a `PackedKernel` for the larger batches: a Q4_1/Q8_0 GGUF, or
-`--quantization int8|int4`) and the step holds decodes only. At a few rows the projections are ~half
-the step and the ~1,500 PyTorch calls of the layers were the other half; at 64 rows those calls, with
-their tensors larger than the caches, took ~15% of it. Steps with a prefill keep the PyTorch path,
-which computes the same thing with the same kernels.
+Taken when the model keeps stored weights (the CPU in fp32 with our kernels) and the step holds decodes
+only. At a few rows the projections are ~half the step and the ~1,500 PyTorch calls of the layers were
+the other half; at 64 rows those calls, with their tensors larger than the caches, took ~15% of it.
+Steps with a prefill keep the PyTorch path, which computes the same thing with the same kernels.
 """
 
 from __future__ import annotations
@@ -17,29 +15,24 @@ import torch
 
 from llmserve.model_executor.attention import AttentionMetadata
 from llmserve.model_executor.kernels import native
-from llmserve.model_executor.layers.linear import BLOCK_ROWS, BlockKernel, Linear, PackedKernel
+from llmserve.model_executor.layers.linear import BLOCK_ROWS, Linear, StoredKernel
 
 if TYPE_CHECKING:
     from llmserve.model_executor.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
 
-
-def _kernels(model: LlamaForCausalLM) -> list[object]:
-    return [m.kernel for m in model.modules() if isinstance(m, Linear)]
-
-
-def _packed(kernel: object) -> PackedKernel | None:
-    """The packed fp32 kernel a projection's kernel is or falls back to."""
-    large = kernel.large if isinstance(kernel, BlockKernel) else kernel
-    return large if isinstance(large, PackedKernel) else None
+# Steps of up to BLOCK_ROWS rows of a model whose projections are all in these types multiply each block
+# in registers (block_gemv.c, block_q8.c) rather than widening rows to memory first.
+_REGISTER_BLOCK_TYPES = {native.GGML_Q4_1, native.GGML_Q8_0}
 
 
-def _projection(linear: Linear) -> native.Projection:
-    kernel, packed = linear.kernel, _packed(linear.kernel)
-    assert packed is not None
-    bias = 0 if packed.bias is None else packed.bias.data_ptr()
-    if isinstance(kernel, BlockKernel):
-        return native.Projection(kernel.blocks.data_ptr(), packed.packed.data_ptr(), bias, kernel.qtype)
-    return native.Projection(0, packed.packed.data_ptr(), bias, 0)
+def _kernels(model: LlamaForCausalLM) -> list[StoredKernel]:
+    decoder = [m for layer in model.layers for m in layer.modules() if isinstance(m, Linear)]
+    return [m.kernel for m in decoder if isinstance(m.kernel, StoredKernel)]
+
+
+def _weight(linear: Linear) -> native.Weight:
+    assert isinstance(linear.kernel, StoredKernel)
+    return linear.kernel.weight.native
 
 
 class NativeDecoder:
@@ -51,10 +44,12 @@ class NativeDecoder:
             layer = cast("LlamaDecoderLayer", module)
             spec.input_norm = layer.input_layernorm.weight.data_ptr()
             spec.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-            spec.qkv = _projection(layer.self_attn.qkv_proj)
-            spec.o = _projection(layer.self_attn.o_proj)
-            spec.gate_up = _projection(layer.mlp.gate_up_proj)
-            spec.down = _projection(layer.mlp.down_proj)
+            spec.qkv = _weight(layer.self_attn.qkv_proj)
+            spec.o = _weight(layer.self_attn.o_proj)
+            spec.gate_up = _weight(layer.mlp.gate_up_proj)
+            spec.down = _weight(layer.mlp.down_proj)
+        kernels = _kernels(model)
+        in_registers = all(k.weight.qtypes <= _REGISTER_BLOCK_TYPES for k in kernels)
         self.spec = native.DecoderSpec(
             num_layers=c.num_hidden_layers,
             hidden=c.hidden_size,
@@ -62,8 +57,8 @@ class NativeDecoder:
             num_kv_heads=c.num_key_value_heads,
             head_dim=c.head_dim,
             intermediate=c.intermediate_size,
-            int8_activations=any(k.int8_activations for k in _kernels(model) if isinstance(k, BlockKernel)),
-            block_rows=BLOCK_ROWS,
+            int8_activations=any(k.int8_activations for k in kernels),
+            block_rows=BLOCK_ROWS if in_registers else 0,
             eps=c.rms_norm_eps,
             scale=c.head_dim**-0.5,
             layers=ctypes.cast(self.layers, ctypes.POINTER(native.LayerSpec)),
@@ -75,17 +70,14 @@ class NativeDecoder:
 
     @staticmethod
     def applies_to(model: LlamaForCausalLM) -> bool:
-        """Every projection has packed fp32 weights, and either all read blocks, with the same
-        activations, or none does; the weights are fp32 on the CPU and the library loaded."""
+        """Every projection keeps a stored weight (so the library is loaded), all with the same
+        activations, and the model computes in fp32."""
         kernels = _kernels(model)
-        blocks = [k for k in kernels if isinstance(k, BlockKernel)]
+        linears = sum(isinstance(m, Linear) for layer in model.layers for m in layer.modules())
         return (
-            len(kernels) > 0
-            and all(_packed(k) is not None for k in kernels)
-            and len(blocks) in (0, len(kernels))
-            and len({k.int8_activations for k in blocks}) <= 1
+            len(kernels) == linears > 0
+            and len({k.int8_activations for k in kernels}) == 1
             and model.norm.weight.dtype == torch.float32
-            and native.load_library() is not None
         )
 
     @staticmethod

@@ -1,0 +1,121 @@
+"""A model as people download it: Qwen2.5-Coder-0.5B-Instruct in Q4_K_M (Q4_K, Q5_0, Q6_K and Q8_0
+blocks). Its weights stay in their blocks, mapped from the file; greedy output equals `transformers` fp32
+on the same GGUF token for token, top-5 logprobs within 1e-3, under the best instruction-set build and
+under AVX2 forced; and the engine core's resident memory stays within the budget."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from llmserve import LLM, RequestOutput, SamplingParams
+from llmserve.model_executor.kernels import native
+from tests.e2e.greedy_reference import Reference, assert_top_logprobs_match, compare_greedy, hf_greedy
+
+PROMPTS = [
+    "def quicksort(arr):\n",
+    "The capital of France is",
+    "# Read a CSV file with pandas and print the mean of each column\nimport pandas as pd\n",
+    "fn main() {\n    let v = vec![3, 1, 2];\n",
+    "SELECT name, COUNT(*) FROM orders",
+    "Once upon a time, in a small village,",
+    "class Stack:\n    def __init__(self):\n",
+    "1, 1, 2, 3, 5, 8, 13,",
+]
+CHATS = [
+    [{"role": "user", "content": "Write a Python function that reverses a string."}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "What does `git rebase` do?"},
+    ],
+]
+NUM_TOKENS = 32
+KV_POOL = 256 << 20
+
+
+def make_llm() -> LLM:
+    return LLM(model="qwen2.5-coder-0.5b-instruct", kv_cache_memory=KV_POOL, max_num_seqs=16, dtype="float32")
+
+
+def run(llm: LLM) -> list[RequestOutput]:
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return outputs + llm.chat(CHATS, params, use_tqdm=False)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def qwen_llm(qwen_gguf_path: Path) -> Iterator[LLM]:
+    llm = make_llm()
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def qwen_outputs(qwen_llm: LLM) -> list[RequestOutput]:
+    return run(qwen_llm)
+
+
+@pytest.fixture(scope="module")
+def references(qwen_gguf_path: Path, qwen_outputs: list[RequestOutput]) -> list[Reference]:
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        qwen_gguf_path.parent, gguf_file=qwen_gguf_path.name, dtype=torch.float32
+    )
+    model.generation_config.eos_token_id = None  # the full length, as ignore_eos does
+    model.generation_config.pad_token_id = 0
+    model.eval()
+    refs = [hf_greedy(model, out.prompt_token_ids, NUM_TOKENS) for out in qwen_outputs]
+    del model
+    return refs
+
+
+def assert_matches(outputs: list[RequestOutput], references: list[Reference]) -> None:
+    for out, ref in zip(outputs, references, strict=True):
+        completion = out.outputs[0]
+        note = compare_greedy(completion, ref)
+        if note:
+            print(note)
+        assert_top_logprobs_match(completion, ref, 5)
+
+
+def test_greedy_output_equals_transformers(
+    qwen_outputs: list[RequestOutput], references: list[Reference]
+) -> None:
+    assert_matches(qwen_outputs, references)
+    assert len({tuple(out.outputs[0].token_ids) for out in qwen_outputs}) == len(qwen_outputs)
+
+
+def test_the_avx2_build_gives_the_same_outputs(
+    references: list[Reference], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if "avx2" not in native.supported_isas():
+        pytest.fail("this CPU runs no AVX2: the test needs an x86-64-v3 machine")
+    monkeypatch.setenv("LLMSERVE_CPU_ISA", "avx2")  # the engine core inherits it
+    llm = make_llm()
+    try:
+        assert_matches(run(llm), references)
+    finally:
+        llm.shutdown()
+
+
+def test_resident_memory_is_the_file_plus_the_kv_pool(qwen_llm: LLM, qwen_gguf_path: Path) -> None:
+    """After load and a batch of requests: at most 1.15 x the file + the KV pool + 400 MB, where widening
+    the projections to fp32 would take ~2 GB more than the file."""
+    run(qwen_llm)
+    core = qwen_llm.llm_engine.engine_core._core.proc  # type: ignore[attr-defined]
+    resident = resident_bytes(core.pid)
+    budget = 1.15 * qwen_gguf_path.stat().st_size + KV_POOL + (400 << 20)
+    assert resident <= budget, (
+        f"engine core holds {resident / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB"
+    )
+
+
+def resident_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        line = next(line for line in f if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024

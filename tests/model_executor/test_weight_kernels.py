@@ -1,0 +1,109 @@
+"""Weights in their stored formats, under every instruction-set build this CPU runs: dequantization equals
+`gguf`'s bit for bit, and products equal gguf's dequantization followed by an fp64 product."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from llmserve.model_executor.kernels import native
+from tests.model_executor.stored_weights import ALL_TYPES, Q, reference
+from tests.model_executor.stored_weights import random_stored as stored
+
+
+@pytest.fixture(params=native.supported_isas())
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("LLMSERVE_CPU_ISA", request.param)
+    assert native.load_library() is not None, "the C kernels must build here"
+    return str(request.param)
+
+
+def assert_product_close(
+    y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+) -> None:
+    """Within fp32 rounding of the fp64 product: |error| <= 1e-5 * sum |x * w| for each output."""
+    exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    assert ((y.double() - exact).abs() <= bound).all(), (y.double() - exact).abs().div(bound).max()
+
+
+def one_part(raw: np.ndarray, qtype: Q, bias: torch.Tensor | None = None) -> tuple[native.Weight, list]:
+    data = torch.from_numpy(np.ascontiguousarray(raw))
+    weight = native.Weight(num_parts=1, bias=0 if bias is None else bias.data_ptr())
+    weight.parts[0] = native.WeightPart(data.data_ptr(), int(qtype), raw.shape[0])
+    return weight, [data, bias]
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
+def test_dequantize_equals_gguf_bit_for_bit(isa: str, qtype: Q) -> None:
+    raw = stored(qtype, 7, 512)
+    ids = torch.tensor([6, 0, 3, 3])
+    ours = native.dequantize_rows(torch.from_numpy(raw), int(qtype), 512, ids)
+    expected = torch.from_numpy(reference(raw, qtype))[ids]
+    assert torch.equal(ours, expected)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [1, 3, 8, 64, 300])
+def test_product_equals_fp64_of_gguf_values(isa: str, qtype: Q, rows: int) -> None:
+    out_features, in_features = 37, 512  # 37: no multiple of any tile; 512: whole K super-blocks
+    raw = stored(qtype, out_features, in_features, seed=rows)
+    bias = torch.randn(out_features)
+    weight, keep = one_part(raw, qtype, bias)
+    x = torch.randn(rows, in_features)
+    y = native.weight_gemm(x, weight, out_features)
+    assert_product_close(y, x, torch.from_numpy(reference(raw, qtype)), bias)
+
+
+def test_product_of_odd_width_floats(isa: str) -> None:
+    """Hugging Face weights need not be whole blocks: the tail of k past the vectors counts too."""
+    raw = stored(Q.F32, 9, 75)
+    weight, keep = one_part(raw, Q.F32)
+    x = torch.randn(5, 75)
+    y = native.weight_gemm(x, weight, 9)
+    assert_product_close(y, x, torch.from_numpy(reference(raw, Q.F32)))
+
+
+def test_parts_of_different_types_stack(isa: str) -> None:
+    """A fused projection whose shards are stored in different types (Q4_K_M's q, k and v)."""
+    parts = [(Q.Q4_K, 20), (Q.Q6_K, 7), (Q.Q8_0, 5)]
+    raws = [stored(qtype, n, 256, seed=i) for i, (qtype, n) in enumerate(parts)]
+    tensors = [torch.from_numpy(raw) for raw in raws]
+    weight = native.Weight(num_parts=3, bias=0)
+    for i, ((qtype, n), data) in enumerate(zip(parts, tensors)):
+        weight.parts[i] = native.WeightPart(data.data_ptr(), int(qtype), n)
+    x = torch.randn(10, 256)
+    y = native.weight_gemm(x, weight, 32)
+    w = torch.cat([torch.from_numpy(reference(raw, qtype)) for raw, (qtype, _) in zip(raws, parts)])
+    assert_product_close(y, x, w)
+
+
+def test_a_rows_result_does_not_depend_on_its_batch(isa: str) -> None:
+    raw = stored(Q.Q4_K, 50, 768)
+    weight, keep = one_part(raw, Q.Q4_K)
+    x = torch.randn(97, 768)
+    whole = native.weight_gemm(x, weight, 50)
+    for at in (0, 5, 96):
+        assert torch.equal(native.weight_gemm(x[at : at + 1], weight, 50)[0], whole[at])
+    with_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(native.weight_gemm(x, weight, 50), whole)
+    finally:
+        torch.set_num_threads(with_threads)
+
+
+def test_unknown_types_and_widths_are_refused(isa: str) -> None:
+    raw = stored(Q.Q4_K, 4, 256)
+    weight, keep = one_part(raw, Q.Q4_K)
+    with pytest.raises(ValueError, match="weight_gemm"):
+        native.weight_gemm(torch.randn(2, 128), weight, 4)  # 128 is no whole super-block
+    with pytest.raises(ValueError, match="dequantize_rows"):
+        native.dequantize_rows(torch.from_numpy(raw), int(Q.IQ2_XS), 256, torch.tensor([0]))
+
+
+def test_forcing_an_isa_the_cpu_lacks_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMSERVE_CPU_ISA", "avx1024")
+    with pytest.raises(ValueError, match="LLMSERVE_CPU_ISA"):
+        native.load_library()
