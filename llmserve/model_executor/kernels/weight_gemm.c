@@ -1,25 +1,30 @@
 /* y = x @ W.T for fp32 rows against a weight kept in its stored format (GGUF blocks, fp16, bf16, fp32),
  * at any number of rows, for CPUs.
  *
- * The weight is never widened whole: each thread takes groups of NB output rows, widens one group into
- * a scratch buffer that stays in its cache (dequant.c; fp32 rows are read in place) and multiplies it
- * with every row of x in tiles of MR x NB dot products. A single row reads the weight's stored bytes
- * once, so a decode step streams 4.5-8.5 bits a weight, not 32; for many rows the widening is
- * amortised over a chunk of x sized to stay in cache (CHUNK_BYTES), and the tiles keep the FMA units
- * busy.
+ * The weight is never widened whole: each thread takes groups of NB output rows and, KC columns at a
+ * time, widens one group's slice into a scratch buffer that stays in the L1 cache (dequant.c; fp32 rows
+ * are read in place), then multiplies it with up to MC rows of x (which stay in L2) in tiles of MR x NB
+ * dot products. A single row reads the weight's stored bytes once, so a decode step streams 4.5-8.5
+ * bits a weight, not 32; for many rows the widening is amortised over MC rows.
  *
- * Every y[r, o] is the same computation whatever the batch: VL lanes of fused multiply-add chains over
- * k in order, summed in one fixed tree, then the tail of k, then the bias. A row's result depends on
- * neither its batch, nor its tile, nor the number of threads.
+ * Up to FUSED_ROWS rows take a shorter way to the same sums: each 32 weights are widened in registers
+ * and multiplied there (dequant.h), never stored, so a decode step is bound by the weights' bytes
+ * rather than by widening them through memory.
+ *
+ * Every y[r, o] is the same computation whatever the batch: for each slice of KC columns in order, VL
+ * lanes of fused multiply-add chains, summed in one fixed tree, then the slice's tail, added to y (the
+ * first slice to the bias). A row's result depends on neither its batch, nor its tile, nor the number
+ * of threads.
  *
  * The vector width is the build's (see native.py): 16 floats on AVX-512, 8 on AVX2, 4 elsewhere; MR and
  * NB are chosen so that the MR * NB accumulators, MR rows of x and one row of W fill the registers.
  */
+#pragma GCC optimize("fp-contract=off") /* dequant.h's exact values; the products' FMAs are explicit */
+
 #include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
 
-#include "kernels.h"
+#include "dequant.h"
 
 #if defined(__AVX512F__)
 #define VL 16
@@ -34,10 +39,23 @@
 #define MR 3
 #define NB 4
 #endif
-#define CHUNK_BYTES (256 << 10) /* of x per pass over the weight: well inside a core's L2 cache */
+#define FUSED_ROWS 4 /* up to here the weights are multiplied from registers */
+#define KC 1024 /* columns per slice: NB x KC fp32 of widened weight (24 KiB) stay in L1 */
+#define MC 64   /* rows of x per pass over a slice: MC x KC fp32 (256 KiB) stay in L2 */
 
 typedef float vf __attribute__((vector_size(VL * sizeof(float))));
-#define INLINE static inline __attribute__((always_inline))
+
+/* acc + a * b, rounded once where the CPU has fused multiply-adds. */
+INLINE vf vfma(vf a, vf b, vf acc)
+{
+#if VL == 16
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
+#elif VL == 8 && defined(__FMA__)
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#else
+    return a * b + acc;
+#endif
+}
 
 INLINE vf vload(const float *p)
 {
@@ -46,18 +64,28 @@ INLINE vf vload(const float *p)
     return v;
 }
 
+typedef float f32x4 __attribute__((vector_size(16)));
+
+/* The lanes' sum, halving the width at each step. */
 INLINE float vsum(vf v)
 {
-    float t[VL];
-    memcpy(t, &v, sizeof t);
-    for (int width = VL / 2; width > 0; width /= 2)
-        for (int i = 0; i < width; i++)
-            t[i] += t[i + width];
-    return t[0];
+#if VL == 16
+    typedef float f32x8 __attribute__((vector_size(32)));
+    const f32x8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const f32x4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+#elif VL == 8
+    const f32x4 q = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+#else
+    const f32x4 q = v;
+#endif
+    return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
-/* out[r][j] = x[r] . w[j] for r < rows, j < cols; constants after inlining for full tiles. */
-INLINE void tile(const float *x, int64_t k, int rows, const float *const *w, int cols, float out[MR][NB])
+/* out[r][j] = x[r] . w[j] over kc columns, x's rows ldx apart, for r < rows, j < cols; constants after
+ * inlining for full tiles. */
+INLINE void tile(const float *x, int64_t ldx, int64_t k, int rows, const float *const *w, int cols,
+                 float out[MR][NB])
 {
     vf acc[MR][NB];
     for (int r = 0; r < rows; r++)
@@ -67,86 +95,192 @@ INLINE void tile(const float *x, int64_t k, int rows, const float *const *w, int
     for (; kk + VL <= k; kk += VL) {
         vf a[MR];
         for (int r = 0; r < rows; r++)
-            a[r] = vload(x + r * k + kk);
+            a[r] = vload(x + r * ldx + kk);
         for (int j = 0; j < cols; j++) {
             const vf b = vload(w[j] + kk);
             for (int r = 0; r < rows; r++)
-                acc[r][j] += a[r] * b;
+                acc[r][j] = vfma(a[r], b, acc[r][j]);
         }
     }
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < cols; j++) {
             float s = vsum(acc[r][j]);
             for (int64_t t = kk; t < k; t++)
-                s += x[r * k + t] * w[j][t];
+                s = fmaf(x[r * ldx + t], w[j][t], s);
             out[r][j] = s;
         }
 }
 
-static void tile_full(const float *x, int64_t k, int rows, const float *const *w, float out[MR][NB])
+static void tile_full(const float *x, int64_t ldx, int64_t k, int rows, const float *const *w,
+                      float out[MR][NB])
 {
     switch (rows) {
 #if MR >= 4
-    case 4: tile(x, k, 4, w, NB, out); break;
+    case 4: tile(x, ldx, k, 4, w, NB, out); break;
 #endif
-    case 3: tile(x, k, 3, w, NB, out); break;
-    case 2: tile(x, k, 2, w, NB, out); break;
-    default: tile(x, k, 1, w, NB, out); break;
+    case 3: tile(x, ldx, k, 3, w, NB, out); break;
+    case 2: tile(x, ldx, k, 2, w, NB, out); break;
+    default: tile(x, ldx, k, 1, w, NB, out); break;
     }
 }
 
-static void tile_any(const float *x, int64_t k, int rows, const float *const *w, int cols, float out[MR][NB])
+static void tile_any(const float *x, int64_t ldx, int64_t k, int rows, const float *const *w, int cols,
+                     float out[MR][NB])
 {
-    tile(x, k, rows, w, cols, out);
+    tile(x, ldx, k, rows, w, cols, out);
 }
 
-/* The fp32 rows [row0, row0 + cols) of one part: in place for fp32, else widened into scratch. */
-static void group_rows(const WeightPart *p, int64_t row0, int cols, int64_t k, float *scratch,
-                       const float *rows[NB])
+/* Columns [k0, k0 + kc) of the fp32 rows [row0, row0 + cols) of one part, whose rows hold k weights: in
+ * place for fp32, else widened into scratch. k0 is a multiple of the type's block. */
+static void group_rows(const WeightPart *p, int64_t row0, int cols, int64_t k, int64_t k0, int64_t kc,
+                       float *scratch, const float *rows[NB])
 {
-    const int64_t bytes = row_bytes((int)p->qtype, k);
+    const int qtype = (int)p->qtype;
+    const int64_t bytes = row_bytes(qtype, k), skip = k0 ? row_bytes(qtype, k0) : 0;
     for (int j = 0; j < cols; j++) {
-        const uint8_t *src = p->data + (row0 + j) * bytes;
-        if (p->qtype == F32) {
+        const uint8_t *src = p->data + (row0 + j) * bytes + skip;
+        if (qtype == F32) {
             rows[j] = (const float *)src;
         } else {
-            dequantize_row((int)p->qtype, src, k, scratch + j * k);
-            rows[j] = scratch + j * k;
+            dequantize_row(qtype, src, kc, scratch + j * kc);
+            rows[j] = scratch + j * kc;
         }
     }
 }
 
-/* One group of W's rows (columns col0.. of y) times x's rows [0, m). */
-static void group_product(const float *x, int64_t m, int64_t k, const float *const *w, int cols, int64_t col0,
-                          const float *bias, float *y, int64_t n, int accumulate)
+/* y[r, col] for r < rows from out[r]: stored, or added to y with `accumulate`; the bias added first. */
+INLINE void store_column(float *y, int64_t n, int rows, int64_t col, const float *out, const float *bias,
+                         int accumulate)
+{
+    for (int r = 0; r < rows; r++) {
+        const float v = out[r] + (bias ? bias[col] : 0.0f);
+        y[r * n + col] = accumulate ? y[r * n + col] + v : v;
+    }
+}
+
+/* out[r][j] = x[r] . W's row j over its 32-weight groups [s0, s1), for r < rows and j < cols (constants
+ * after inlining), in the lanes and order of tile(): each 32 weights widened in registers only. The
+ * cols rows' chains are independent, so the multiply-adds of one row do not wait on each other. */
+INLINE void fused_group(int qtype, const uint8_t *const *w, int cols, int64_t s0, int64_t s1, const float *x,
+                        int64_t ldx, int rows, float out[FUSED_ROWS][NB])
+{
+    vf acc[FUSED_ROWS][NB];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < cols; j++)
+            acc[r][j] = (vf){0};
+    for (int64_t s = s0; s < s1; s++)
+        /* unrolled, so that the accumulators stay in registers */
+        _Pragma("GCC unroll 8") for (int j = 0; j < cols; j++)
+        {
+            f32x16 wide[2];
+            vf b[32 / VL];
+            decode32(qtype, w[j], s, wide);
+            memcpy(b, wide, sizeof b);
+            _Pragma("GCC unroll 4") for (int p = 0; p < 32 / VL; p++)
+                _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++)
+                    acc[r][j] = vfma(vload(x + r * ldx + 32 * s + VL * p), b[p], acc[r][j]);
+        }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < cols; j++)
+            out[r][j] = vsum(acc[r][j]);
+}
+
+typedef void FusedGroup(const uint8_t *const *w, int cols, int64_t s0, int64_t s1, const float *x,
+                        int64_t ldx, int rows, float out[FUSED_ROWS][NB]);
+
+/* fused_group for one type, its row count and a whole group (or a single row) made constants. */
+#define FUSED_ROWS_CASE(T, R)                                         \
+    case R:                                                           \
+        if (cols == NB)                                               \
+            fused_group(T, w, NB, s0, s1, x, ldx, R, out);            \
+        else                                                          \
+            for (int j = 0; j < cols; j++) {                          \
+                float one[FUSED_ROWS][NB];                            \
+                fused_group(T, w + j, 1, s0, s1, x, ldx, R, one);     \
+                for (int r = 0; r < R; r++)                           \
+                    out[r][j] = one[r][0];                            \
+            }                                                         \
+        break;
+#define FUSED_FOR_TYPE(T)                                                                                  \
+    static void fused_##T(const uint8_t *const *w, int cols, int64_t s0, int64_t s1, const float *x,      \
+                          int64_t ldx, int rows, float out[FUSED_ROWS][NB])                                \
+    {                                                                                                      \
+        switch (rows) {                                                                                    \
+            FUSED_ROWS_CASE(T, 1) FUSED_ROWS_CASE(T, 2) FUSED_ROWS_CASE(T, 3) FUSED_ROWS_CASE(T, 4)        \
+        }                                                                                                  \
+    }
+FOR_EACH_TYPE(FUSED_FOR_TYPE)
+
+#define FUSED_CASE(T) \
+    case T: return fused_##T;
+
+static FusedGroup *fused_for(int qtype)
+{
+    switch (qtype) {
+        FOR_EACH_TYPE(FUSED_CASE)
+    }
+    return NULL;
+}
+
+/* One group of W's rows (columns col0.. of y) times x's rows [0, m), over one slice of kc columns: the
+ * first slice stores (or adds to y, with `accumulate`) its sums plus the bias, later ones add theirs. */
+static void group_product(const float *x, int64_t m, int64_t ldx, int64_t kc, const float *const *w, int cols,
+                          int64_t col0, const float *bias, float *y, int64_t n, int accumulate)
 {
     for (int64_t r0 = 0; r0 < m; r0 += MR) {
         const int rows = m - r0 < MR ? (int)(m - r0) : MR;
         float out[MR][NB];
         if (cols == NB)
-            tile_full(x + r0 * k, k, rows, w, out);
+            tile_full(x + r0 * ldx, ldx, kc, rows, w, out);
         else
-            tile_any(x + r0 * k, k, rows, w, cols, out);
-        for (int r = 0; r < rows; r++)
-            for (int j = 0; j < cols; j++) {
-                float *at = y + (r0 + r) * n + col0 + j;
-                const float v = out[r][j] + (bias ? bias[col0 + j] : 0.0f);
-                *at = accumulate ? *at + v : v;
-            }
+            tile_any(x + r0 * ldx, ldx, kc, rows, w, cols, out);
+        for (int j = 0; j < cols; j++) {
+            float column[MR];
+            for (int r = 0; r < rows; r++)
+                column[r] = out[r][j];
+            store_column(y + r0 * n, n, rows, col0 + j, column, bias, accumulate);
+        }
     }
 }
 
-/* This thread's scratch for one group of widened rows, kept between calls. */
-static float *scratch_for(int64_t k)
+/* This thread's scratch for one group's widened slice, kept between calls. */
+static float *scratch(void)
 {
-    static __thread float *buffer;
-    static __thread int64_t capacity;
-    if (capacity < NB * k) {
-        free(buffer);
-        buffer = malloc(sizeof(float) * NB * k);
-        capacity = buffer ? NB * k : 0;
-    }
+    static __thread float buffer[NB * KC];
     return buffer;
+}
+
+/* The rows of groups [g0, g1) for m <= FUSED_ROWS rows of x, with the slices of the tiled path. */
+static void fused_share(const float *x, int64_t m, int64_t k, const Weight *w, int64_t n, int64_t g0,
+                        int64_t g1, float *y, int accumulate)
+{
+    int64_t g = 0, col0 = 0;
+    for (int64_t p = 0; p < w->num_parts; p++) {
+        const WeightPart *part = &w->parts[p];
+        const int64_t bytes = row_bytes((int)part->qtype, k);
+        FusedGroup *fused = fused_for((int)part->qtype);
+        for (int64_t row0 = 0; row0 < part->rows; row0 += NB, g++) {
+            if (g < g0 || g >= g1)
+                continue;
+            const int cols = part->rows - row0 < NB ? (int)(part->rows - row0) : NB;
+            const uint8_t *rows[NB];
+            for (int j = 0; j < cols; j++)
+                rows[j] = part->data + (row0 + j) * bytes;
+            for (int64_t k0 = 0; k0 < k; k0 += KC) {
+                const int64_t kc = k - k0 < KC ? k - k0 : KC;
+                float out[FUSED_ROWS][NB];
+                fused(rows, cols, k0 / 32, (k0 + kc) / 32, x, k, (int)m, out);
+                for (int j = 0; j < cols; j++) {
+                    float column[FUSED_ROWS];
+                    for (int r = 0; r < m; r++)
+                        column[r] = out[r][j];
+                    store_column(y, n, (int)m, col0 + row0 + j, column, k0 == 0 ? w->bias : NULL,
+                                 accumulate || k0 > 0);
+                }
+            }
+        }
+        col0 += part->rows;
+    }
 }
 
 void weight_gemm_share(const float *x, int64_t m, int64_t k, const Weight *w, float *y, int accumulate)
@@ -158,25 +292,29 @@ void weight_gemm_share(const float *x, int64_t m, int64_t k, const Weight *w, fl
     }
     const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
     const int64_t g0 = groups * t / threads, g1 = groups * (t + 1) / threads;
-    float *scratch = scratch_for(k);
-    if (scratch == NULL)
-        abort(); /* a few hundred KB; the caller's own buffers are far larger */
-    int64_t chunk = CHUNK_BYTES / (int64_t)sizeof(float) / k / MR * MR;
-    chunk = chunk < MR ? MR : chunk;
-    for (int64_t i0 = 0; i0 < m; i0 += chunk) {
-        const int64_t rows = m - i0 < chunk ? m - i0 : chunk;
-        int64_t g = 0, col0 = 0;
-        for (int64_t p = 0; p < w->num_parts; p++) {
-            const WeightPart *part = &w->parts[p];
-            for (int64_t row0 = 0; row0 < part->rows; row0 += NB, g++) {
-                if (g < g0 || g >= g1)
-                    continue;
-                const int cols = part->rows - row0 < NB ? (int)(part->rows - row0) : NB;
-                const float *wrows[NB];
-                group_rows(part, row0, cols, k, scratch, wrows);
-                group_product(x + i0 * k, rows, k, wrows, cols, col0 + row0, w->bias, y + i0 * n, n, accumulate);
+    if (m <= FUSED_ROWS && k % 32 == 0) {
+        fused_share(x, m, k, w, n, g0, g1, y, accumulate);
+        return;
+    }
+    for (int64_t k0 = 0; k0 < k; k0 += KC) {
+        const int64_t kc = k - k0 < KC ? k - k0 : KC;
+        const float *bias = k0 == 0 ? w->bias : NULL;
+        for (int64_t i0 = 0; i0 < m; i0 += MC) {
+            const int64_t rows = m - i0 < MC ? m - i0 : MC;
+            int64_t g = 0, col0 = 0;
+            for (int64_t p = 0; p < w->num_parts; p++) {
+                const WeightPart *part = &w->parts[p];
+                for (int64_t row0 = 0; row0 < part->rows; row0 += NB, g++) {
+                    if (g < g0 || g >= g1)
+                        continue;
+                    const int cols = part->rows - row0 < NB ? (int)(part->rows - row0) : NB;
+                    const float *wrows[NB];
+                    group_rows(part, row0, cols, k, k0, kc, scratch(), wrows);
+                    group_product(x + i0 * k + k0, rows, k, kc, wrows, cols, col0 + row0, bias, y + i0 * n, n,
+                                  accumulate || k0 > 0);
+                }
+                col0 += part->rows;
             }
-            col0 += part->rows;
         }
     }
 }

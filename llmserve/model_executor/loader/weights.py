@@ -10,6 +10,7 @@ them once for every engine process on the machine, and start-up reads only the h
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -29,6 +30,8 @@ from llmserve.model_executor.loader.gguf_file import (
 )
 from llmserve.model_executor.loader.model_source import ModelSource
 from llmserve.model_executor.models.llama_config import LlamaConfig
+
+logger = logging.getLogger(__name__)
 
 _GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -162,6 +165,7 @@ def _iter_gguf(source: ModelSource, stored: bool) -> Weights:
     config = _gguf_config(header)
     permuted = header.architecture in _PERMUTED_ARCHITECTURES
     data = map_tensor_data(source.path)
+    reordered = 0
     for gguf_name, info in header.tensors.items():
         name = _hf_name(gguf_name, source)
         raw = tensor_bytes(data, info)
@@ -174,16 +178,20 @@ def _iter_gguf(source: ModelSource, stored: bool) -> Weights:
                 raise ValueError(f"Tensor {gguf_name!r} in {source.path}: {e}") from e
             # F32 comes back as a view of the file; the model's copy must not write through to it.
             tensor = torch.from_numpy(np.array(array, dtype=np.float32))
-        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-            tensor = _unpermute_rows(tensor, config.num_attention_heads)  # a copy, in HF's row order
-        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-            tensor = _unpermute_rows(tensor, config.num_key_value_heads)
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+            heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+            tensor = _unpermute_rows(tensor, heads)  # a copy, in HF's row order
+            reordered += tensor.numel() * tensor.element_size()
         if tensor.dtype == torch.uint8:
             yield name, StoredTensor(int(info.qtype), tensor, info.shape[1])
         elif stored and tensor.dim() == 2:
             yield name, StoredTensor.from_dense(tensor)
         else:
             yield name, tensor
+    if stored and reordered:
+        logger.info(
+            "Copied the q/k rows (%.0f MiB) into Hugging Face's order; the rest is mapped.", reordered / 2**20
+        )
 
 
 def _hf_name(gguf_name: str, source: ModelSource) -> str:

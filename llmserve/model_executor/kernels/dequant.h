@@ -1,0 +1,167 @@
+/* 32 stored weights at a time widened to two vectors of 16 fp32: what dequant.c stores and weight_gemm.c
+ * multiplies straight from registers.
+ *
+ * The values are exactly those of `gguf.quants.dequantize` (which Hugging Face uses to read a GGUF too):
+ * the same float operations in the same order, and no multiply fused with the add that follows it, so
+ * every file that includes this compiles with fp-contract off. A product over these values is then the
+ * dequantized fp32 product, up to summation order.
+ *
+ * Layouts (llama.cpp's ggml-common.h), little-endian, fp16 scales:
+ * Q4_0 (18 B / 32): d, 16 B nibbles; weight j < 16 is the low nibble of byte j, j + 16 its high one;
+ *   d * (q - 8). Q4_1 (20 B): d, m, nibbles; d * q + m. Q5_0 (22 B): d, 32 high bits qh, nibbles;
+ *   d * (q - 16). Q5_1 (24 B): d, m, qh, nibbles; d * q + m. Q8_0 (34 B): d, 32 int8; d * q.
+ * Q4_K (144 B / 256): d, dmin, 12 B of 6-bit scales and minimums for 8 sub-blocks of 32, 128 B
+ *   nibbles (sub-block 2c the low nibbles of bytes 32c.., 2c + 1 the high ones); (d * sc) * q - dmin * m.
+ * Q5_K (176 B): as Q4_K with 32 B of fifth bits before the nibbles (bit i of byte l for sub-block i).
+ * Q6_K (210 B): 128 B low nibbles, 64 B high 2 bits, 16 int8 scales (one per 16), d; (d * sc) * (q - 32).
+ */
+#ifndef LLMSERVE_DEQUANT_H
+#define LLMSERVE_DEQUANT_H
+
+#include "kernels.h"
+
+/* Sixteen lanes, whatever the build: one AVX-512 register, two AVX2 ones, four SSE ones. Integers are
+ * widened to 32 bits before the conversion to float, which the compiler then vectorises. */
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+
+/* Inlined into each caller, so that each type's code is compiled for its constant type. */
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE u8x16 load16(const uint8_t *p)
+{
+    u8x16 v;
+    memcpy(&v, p, 16);
+    return v;
+}
+
+INLINE i32x16 widen(u8x16 v)
+{
+    return __builtin_convertvector(v, i32x16);
+}
+
+INLINE f32x16 to_float(i32x16 v)
+{
+    return __builtin_convertvector(v, f32x16);
+}
+
+/* Q4_K's and Q5_K's 6-bit scale and minimum of sub-block i. */
+INLINE void scale_min(const uint8_t *s, int i, int *sc, int *mn)
+{
+    if (i < 4) {
+        *sc = s[i] & 63;
+        *mn = s[i + 4] & 63;
+    } else {
+        *sc = (s[i + 4] & 0x0f) | ((s[i - 4] >> 6) << 4);
+        *mn = (s[i + 4] >> 4) | ((s[i] >> 6) << 4);
+    }
+}
+
+/* Q4_0 and Q4_1 (with_min), Q5_0 and Q5_1 (with high bits): one whole block. */
+INLINE void legacy32(const uint8_t *block, int with_min, int with_high, f32x16 w[2])
+{
+    static const u32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const int offset = with_high ? 16 : 8; /* what the unsigned value is centred on, without a minimum */
+    const uint8_t *qs = block + 2 + 2 * with_min + 4 * with_high;
+    const float d = read_half(block), m = with_min ? read_half(block + 2) : 0.0f;
+    uint32_t qh = 0;
+    if (with_high)
+        memcpy(&qh, block + 2 + 2 * with_min, 4);
+    const u8x16 bytes = load16(qs);
+    i32x16 q[2] = {widen(bytes & 0x0f), widen(bytes >> 4)};
+    for (int half = 0; half < 2; half++) {
+        if (with_high)
+            q[half] |= (i32x16)((((qh >> (16 * half)) >> lane) & 1) << 4);
+        w[half] = with_min ? d * to_float(q[half]) + m : d * to_float(q[half] - offset);
+    }
+}
+
+INLINE void q8_0_32(const uint8_t *block, f32x16 w[2])
+{
+    const float d = read_half(block);
+    for (int half = 0; half < 2; half++) /* unsigned bytes offset by 128: those widen in vectors */
+        w[half] = d * to_float(widen(load16(block + 2 + 16 * half) ^ 0x80) - 128);
+}
+
+/* Sub-block i of a Q4_K (or, with_high, Q5_K) super-block. */
+INLINE void k32(const uint8_t *block, int i, int with_high, f32x16 w[2])
+{
+    const uint8_t *qh = block + 16, *qs = block + 16 + 32 * with_high;
+    int sc, mn;
+    scale_min(block + 4, i, &sc, &mn);
+    const float d1 = read_half(block) * (float)sc, m1 = read_half(block + 2) * (float)mn;
+    for (int half = 0; half < 2; half++) {
+        const u8x16 bytes = load16(qs + 32 * (i / 2) + 16 * half);
+        u8x16 q = i % 2 ? bytes >> 4 : bytes & 0x0f;
+        if (with_high)
+            q |= ((load16(qh + 16 * half) >> i) & 1) << 4;
+        w[half] = d1 * to_float(widen(q)) - m1;
+    }
+}
+
+/* Weights 32 g .. 32 g + 31 of a Q6_K super-block (g < 8). */
+INLINE void q6_k32(const uint8_t *block, int g, f32x16 w[2])
+{
+    const int h = g / 4, t = g % 4;
+    const int8_t *scales = (const int8_t *)(block + 192);
+    const float d = read_half(block + 208);
+    for (int half = 0; half < 2; half++) {
+        const u8x16 low = load16(block + 64 * h + 32 * (t % 2) + 16 * half);
+        const u8x16 high = load16(block + 128 + 32 * h + 16 * half);
+        const u8x16 q = ((t / 2 ? low >> 4 : low) & 0x0f) | (((high >> (2 * t)) & 3) << 4);
+        w[half] = d * (float)scales[2 * g + half] * to_float(widen(q) - 32);
+    }
+}
+
+INLINE void f16_32(const uint8_t *src, f32x16 w[2])
+{
+    float v[32];
+#ifdef USE_AVX2
+    for (int i = 0; i < 32; i += 8)
+        _mm256_storeu_ps(v + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * i))));
+#else
+    for (int i = 0; i < 32; i++)
+        v[i] = read_half(src + 2 * i);
+#endif
+    memcpy(w, v, sizeof v);
+}
+
+INLINE void bf16_32(const uint8_t *src, f32x16 w[2])
+{
+    for (int half = 0; half < 2; half++) {
+        uint16_t h[16];
+        memcpy(h, src + 32 * half, 32);
+        u32x16 bits;
+        for (int j = 0; j < 16; j++)
+            bits[j] = (uint32_t)h[j] << 16;
+        memcpy(&w[half], &bits, 64);
+    }
+}
+
+/* Weights 32 s .. 32 s + 31 of a row of `qtype` (a constant after inlining) starting at `row`. */
+INLINE void decode32(int qtype, const uint8_t *row, int64_t s, f32x16 w[2])
+{
+    switch (qtype) {
+    case F32: memcpy(w, row + 128 * s, 128); break;
+    case F16: f16_32(row + 64 * s, w); break;
+    case BF16: bf16_32(row + 64 * s, w); break;
+    case Q4_0: legacy32(row + 18 * s, 0, 0, w); break;
+    case Q4_1: legacy32(row + 20 * s, 1, 0, w); break;
+    case Q5_0: legacy32(row + 22 * s, 0, 1, w); break;
+    case Q5_1: legacy32(row + 24 * s, 1, 1, w); break;
+    case Q8_0: q8_0_32(row + 34 * s, w); break;
+    case Q4_K: k32(row + 144 * (s / 8), (int)(s % 8), 0, w); break;
+    case Q5_K: k32(row + 176 * (s / 8), (int)(s % 8), 1, w); break;
+    case Q6_K: q6_k32(row + 210 * (s / 8), (int)(s % 8), w); break;
+    }
+}
+
+/* Applies MACRO(type) for each type decode32 reads, as the cases of a switch on a runtime type: each
+ * expansion compiles its own copy of the caller's loop for that type. */
+#define FOR_EACH_TYPE(MACRO)                                                                                  \
+    MACRO(F32) MACRO(F16) MACRO(BF16) MACRO(Q4_0) MACRO(Q4_1) MACRO(Q5_0) MACRO(Q5_1) MACRO(Q8_0) MACRO(Q4_K) \
+        MACRO(Q5_K) MACRO(Q6_K)
+
+#endif
