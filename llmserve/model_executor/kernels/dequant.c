@@ -32,8 +32,11 @@ int64_t row_bytes(int qtype, int64_t k)
 #define ROW_CASE(T)                                     \
     case T:                                             \
         for (int64_t s = 0; s < k / 32; s++) {          \
+            KScales ks;                                 \
             f32x16 w[2];                                \
-            decode32(T, src, s, w);                     \
+            if (is_k_type(T) && s % 8 == 0)             \
+                k_scales(T, src + k_bytes(T) * (s / 8), &ks); \
+            decode32(T, src, s, &ks, w);                \
             memcpy(dst + 32 * s, w, sizeof w);          \
         }                                               \
         break;

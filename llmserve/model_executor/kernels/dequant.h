@@ -85,33 +85,51 @@ INLINE void q8_0_32(const uint8_t *block, f32x16 w[2])
         w[half] = d * to_float(widen(load16(block + 2 + 16 * half) ^ 0x80) - 128);
 }
 
-/* Sub-block i of a Q4_K (or, with_high, Q5_K) super-block. */
-INLINE void k32(const uint8_t *block, int i, int with_high, f32x16 w[2])
+/* A K super-block's scales: d * sc and, for Q4_K/Q5_K, dmin * m, per group of 32 weights (8 of them) or,
+ * for Q6_K, per 16 (16 of them): one super-block's worth, computed once for its 256 weights. */
+typedef struct {
+    float d[16], m[8];
+} KScales;
+
+INLINE void k_scales(int qtype, const uint8_t *block, KScales *out)
+{
+    if (qtype == Q6_K) {
+        const float d = read_half(block + 208);
+        for (int i = 0; i < 16; i++)
+            out->d[i] = d * (float)(int8_t)block[192 + i];
+        return;
+    }
+    const float d = read_half(block), dmin = read_half(block + 2);
+    for (int i = 0; i < 8; i++) {
+        int sc, mn;
+        scale_min(block + 4, i, &sc, &mn);
+        out->d[i] = d * (float)sc;
+        out->m[i] = dmin * (float)mn;
+    }
+}
+
+/* Sub-block i of a Q4_K (or, with_high, Q5_K) super-block, its scales given. */
+INLINE void k32(const uint8_t *block, int i, int with_high, const KScales *k, f32x16 w[2])
 {
     const uint8_t *qh = block + 16, *qs = block + 16 + 32 * with_high;
-    int sc, mn;
-    scale_min(block + 4, i, &sc, &mn);
-    const float d1 = read_half(block) * (float)sc, m1 = read_half(block + 2) * (float)mn;
     for (int half = 0; half < 2; half++) {
         const u8x16 bytes = load16(qs + 32 * (i / 2) + 16 * half);
         u8x16 q = i % 2 ? bytes >> 4 : bytes & 0x0f;
         if (with_high)
             q |= ((load16(qh + 16 * half) >> i) & 1) << 4;
-        w[half] = d1 * to_float(widen(q)) - m1;
+        w[half] = k->d[i] * to_float(widen(q)) - k->m[i];
     }
 }
 
-/* Weights 32 g .. 32 g + 31 of a Q6_K super-block (g < 8). */
-INLINE void q6_k32(const uint8_t *block, int g, f32x16 w[2])
+/* Weights 32 g .. 32 g + 31 of a Q6_K super-block (g < 8), its scales given. */
+INLINE void q6_k32(const uint8_t *block, int g, const KScales *k, f32x16 w[2])
 {
     const int h = g / 4, t = g % 4;
-    const int8_t *scales = (const int8_t *)(block + 192);
-    const float d = read_half(block + 208);
     for (int half = 0; half < 2; half++) {
         const u8x16 low = load16(block + 64 * h + 32 * (t % 2) + 16 * half);
         const u8x16 high = load16(block + 128 + 32 * h + 16 * half);
         const u8x16 q = ((t / 2 ? low >> 4 : low) & 0x0f) | (((high >> (2 * t)) & 3) << 4);
-        w[half] = d * (float)scales[2 * g + half] * to_float(widen(q) - 32);
+        w[half] = k->d[2 * g + half] * to_float(widen(q) - 32);
     }
 }
 
@@ -140,8 +158,29 @@ INLINE void bf16_32(const uint8_t *src, f32x16 w[2])
     }
 }
 
-/* Weights 32 s .. 32 s + 31 of a row of `qtype` (a constant after inlining) starting at `row`. */
-INLINE void decode32(int qtype, const uint8_t *row, int64_t s, f32x16 w[2])
+INLINE int is_k_type(int qtype)
+{
+    return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K;
+}
+
+/* Bytes of a K type's super-block. */
+INLINE int64_t k_bytes(int qtype)
+{
+    return qtype == Q4_K ? 144 : qtype == Q5_K ? 176 : 210;
+}
+
+/* Weights 32 g .. 32 g + 31 (g < 8) of a K type's super-block, its scales given. */
+INLINE void k_decode32(int qtype, const uint8_t *block, int g, const KScales *k, f32x16 w[2])
+{
+    if (qtype == Q6_K)
+        q6_k32(block, g, k, w);
+    else
+        k32(block, g, qtype == Q5_K, k, w);
+}
+
+/* Weights 32 s .. 32 s + 31 of a row of `qtype` (a constant after inlining) starting at `row`; for a K
+ * type, `k` holds the scales of the super-block they lie in (k_scales). */
+INLINE void decode32(int qtype, const uint8_t *row, int64_t s, const KScales *k, f32x16 w[2])
 {
     switch (qtype) {
     case F32: memcpy(w, row + 128 * s, 128); break;
@@ -152,9 +191,9 @@ INLINE void decode32(int qtype, const uint8_t *row, int64_t s, f32x16 w[2])
     case Q5_0: legacy32(row + 22 * s, 0, 1, w); break;
     case Q5_1: legacy32(row + 24 * s, 1, 1, w); break;
     case Q8_0: q8_0_32(row + 34 * s, w); break;
-    case Q4_K: k32(row + 144 * (s / 8), (int)(s % 8), 0, w); break;
-    case Q5_K: k32(row + 176 * (s / 8), (int)(s % 8), 1, w); break;
-    case Q6_K: q6_k32(row + 210 * (s / 8), (int)(s % 8), w); break;
+    case Q4_K: k32(row + 144 * (s / 8), (int)(s % 8), 0, k, w); break;
+    case Q5_K: k32(row + 176 * (s / 8), (int)(s % 8), 1, k, w); break;
+    case Q6_K: q6_k32(row + 210 * (s / 8), (int)(s % 8), k, w); break;
     }
 }
 

@@ -158,6 +158,16 @@ INLINE void store_column(float *y, int64_t n, int rows, int64_t col, const float
     }
 }
 
+/* acc[r][j] += x[r][0:32] * w, lane by lane, for r < rows. */
+INLINE void multiply32(const f32x16 w[2], const float *x, int64_t ldx, int rows, vf acc[FUSED_ROWS][NB], int j)
+{
+    vf b[32 / VL];
+    memcpy(b, w, sizeof b);
+    _Pragma("GCC unroll 4") for (int p = 0; p < 32 / VL; p++)
+        _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++)
+            acc[r][j] = vfma(vload(x + r * ldx + VL * p), b[p], acc[r][j]);
+}
+
 /* out[r][j] = x[r] . W's row j over its 32-weight groups [s0, s1), for r < rows and j < cols (constants
  * after inlining), in the lanes and order of tile(): each 32 weights widened in registers only. The
  * cols rows' chains are independent, so the multiply-adds of one row do not wait on each other. */
@@ -168,18 +178,26 @@ INLINE void fused_group(int qtype, const uint8_t *const *w, int cols, int64_t s0
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < cols; j++)
             acc[r][j] = (vf){0};
-    for (int64_t s = s0; s < s1; s++)
-        /* unrolled, so that the accumulators stay in registers */
-        _Pragma("GCC unroll 8") for (int j = 0; j < cols; j++)
-        {
-            f32x16 wide[2];
-            vf b[32 / VL];
-            decode32(qtype, w[j], s, wide);
-            memcpy(b, wide, sizeof b);
-            _Pragma("GCC unroll 4") for (int p = 0; p < 32 / VL; p++)
-                _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++)
-                    acc[r][j] = vfma(vload(x + r * ldx + 32 * s + VL * p), b[p], acc[r][j]);
+    if (is_k_type(qtype)) /* whole super-blocks: their scales once, then sub-blocks at constant offsets */
+        for (int64_t sb = s0 / 8; sb < s1 / 8; sb++) {
+            KScales ks[NB];
+            _Pragma("GCC unroll 8") for (int j = 0; j < cols; j++) k_scales(qtype, w[j] + k_bytes(qtype) * sb, &ks[j]);
+            _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++)
+                _Pragma("GCC unroll 8") for (int j = 0; j < cols; j++)
+                {
+                    f32x16 wide[2];
+                    k_decode32(qtype, w[j] + k_bytes(qtype) * sb, g, &ks[j], wide);
+                    multiply32(wide, x + 32 * (8 * sb + g), ldx, rows, acc, j);
+                }
         }
+    else
+        for (int64_t s = s0; s < s1; s++)
+            _Pragma("GCC unroll 8") for (int j = 0; j < cols; j++)
+            {
+                f32x16 wide[2];
+                decode32(qtype, w[j], s, NULL, wide);
+                multiply32(wide, x + 32 * s, ldx, rows, acc, j);
+            }
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < cols; j++)
             out[r][j] = vsum(acc[r][j]);
