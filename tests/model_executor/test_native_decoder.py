@@ -106,14 +106,14 @@ def decode_metadata(lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
 @pytest.mark.parametrize(
     ("rows", "attention_bias", "storage", "quantization"),
     [
-        (1, False, "Q4_1", "none"),  # blocks multiplied in registers (block_gemv.c)
+        (1, False, "Q4_1", "none"),  # weight_gemm.c, widening in registers
         (3, True, "Q8_0", "none"),
         (BLOCK_ROWS, False, "Q4_1", "none"),
-        (1, False, "F32", "int4"),  # int8 activations (block_q8.c)
+        (1, False, "F32", "int4"),  # int8 activations: integer products (block_q8.c)
         (5, True, "F32", "int8"),
-        (BLOCK_ROWS + 3, True, "Q8_0", "none"),  # more rows than those take: weight_gemm.c
-        (BLOCK_ROWS + 12, False, "F32", "int4"),
-        (1, True, "mixed", "none"),  # K types: weight_gemm.c at every size
+        (BLOCK_ROWS + 3, True, "Q8_0", "none"),  # weight_gemm.c's tiles
+        (BLOCK_ROWS + 12, False, "F32", "int4"),  # rounded activations into weight_gemm.c
+        (1, True, "mixed", "none"),  # K types, parts of different types
         (BLOCK_ROWS + 1, False, "mixed", "none"),
         (2, False, "F16", "none"),
         (4, True, "BF16", "none"),
@@ -167,8 +167,8 @@ def test_steps_with_a_prefill_keep_the_torch_path() -> None:
 def test_only_a_model_stored_alike_by_every_projection_gets_one() -> None:
     model = stored_model(False, "Q4_1")
     assert NativeDecoder.applies_to(model)
-    assert NativeDecoder(model).spec.block_rows == BLOCK_ROWS
-    assert NativeDecoder(stored_model(False, "mixed")).spec.block_rows == 0  # K types: weight_gemm.c
+    assert NativeDecoder(model).spec.block_rows == 0  # fp32 activations: weight_gemm.c at every size
+    assert NativeDecoder(stored_model(False, "F32", "int4")).spec.block_rows == BLOCK_ROWS
     down = model.layers[1].mlp.down_proj
     down.kernel = lambda x: x  # one projection without a stored weight
     assert not NativeDecoder.applies_to(model)

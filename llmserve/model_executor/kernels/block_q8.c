@@ -1,15 +1,17 @@
-/* Block products with the activations rounded to int8 per block of 32, as llama.cpp computes them.
+/* y = x @ W.T for a few rows of x rounded to int8 per block of 32, against Q4_1/Q8_0 blocks, as llama.cpp
+ * computes them: `--quantization int8|int4`, which round the weights into those blocks at load.
  *
- * With fp32 activations every weight is widened to a float before its multiply, and that widening,
- * not memory, bounds a single-sequence decode (~7 GB/s of Q4_1 read on this file's first machine, a
- * third of its bandwidth). Rounded to int8, 32 activations meet 32 weights in two integer multiply-adds.
- * Used by `--quantization int8|int4` only, which round the weights already; the larger batches of
- * those modes round their activations the same way (`quantization.py`), so that outputs do not depend
- * on the batch size. The default keeps fp32 activations (block_gemv.c).
+ * Rounded to int8, 32 activations meet 32 weights in two integer multiply-adds instead of 32 widened
+ * floats. Decode steps of up to `block_rows` rows take this path (decoder_step.c); larger batches round
+ * their activations the same way (`round_rows`) before weight_gemm.c, so that outputs do not depend on
+ * the batch size. The default keeps fp32 activations (weight_gemm.c at every size).
  *
  * A row block: scale s = max |x| / 127, q = round-half-even(x / s) (as x * (1 / s)), and s * sum(q) for the
- * Q4_1 minimum's term.
+ * Q4_1 minimum's term. Q4_1 block (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles; weight j < 16 is the
+ * low nibble of byte j, weight j + 16 its high nibble; d * q + m. Q8_0 block (34 bytes): fp16 d, 32 int8.
  */
+#include <omp.h>
+#include <stdlib.h>
 #include <stdint.h>
 
 #include "kernels.h"
@@ -149,3 +151,38 @@ void q8_dot_rows(const BlockInput *in, const uint8_t *w, int qtype, float *acc)
     }
 }
 #endif
+
+void prepare_input(BlockInput *in, int8_t *q, float *scales, float *sums)
+{
+    in->q = q;
+    in->scales = scales;
+    in->sums = sums;
+    quantize_rows(in->x, in->rows, in->in, q, scales, sums);
+}
+
+/* x: [rows, in] fp32 (rows <= BLOCK_GEMV_MAX_ROWS, in a multiple of 32), rounded here; w: [out, in / 32]
+ * blocks; y: [rows, out]. Returns 0, -1 for an unsupported type or shape, -2 when out of memory. */
+int block_gemv(const float *x, int64_t rows, int64_t in, const uint8_t *w, int64_t out, int qtype, float *y,
+               int num_threads)
+{
+    if ((qtype != Q4_1 && qtype != Q8_0) || rows < 1 || rows > BLOCK_GEMV_MAX_ROWS || in % QK != 0)
+        return -1;
+    const int64_t row_bytes = in / QK * block_bytes(qtype), nblocks = rows * in / QK;
+    float *scales = malloc(sizeof(float) * nblocks * 2);
+    int8_t *q = malloc((size_t)(rows * in));
+    BlockInput input = {.x = x, .rows = rows, .in = in};
+    const int status = scales == NULL || q == NULL ? -2 : 0;
+    if (status == 0) {
+        prepare_input(&input, q, scales, scales + nblocks);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t o = 0; o < out; o++) {
+            float acc[BLOCK_GEMV_MAX_ROWS];
+            q8_dot_rows(&input, w + o * row_bytes, qtype, acc);
+            for (int64_t r = 0; r < rows; r++)
+                y[r * out + o] = acc[r];
+        }
+    }
+    free(scales);
+    free(q);
+    return status;
+}

@@ -6,11 +6,10 @@
  * RoPE -> KV write -> paged attention -> o_proj + residual -> RMSNorm -> gate/up -> SiLU * up -> down +
  * residual, per layer, then the final RMSNorm.
  *
- * Every projection multiplies its weight in the stored format (weight_gemm.c). Steps of up to
- * `block_rows` rows of a model whose projections are all Q4_1 or Q8_0 read those blocks through
- * block_gemv.c instead (with int8 activations, block_q8.c), which multiplies each block without
- * widening it to memory first; the norms, RoPE and SiLU are then split between the threads by output
- * features rather than rows.
+ * Every projection multiplies its weight in the stored format (weight_gemm.c). With int8 activations
+ * (`--quantization int8|int4`) steps of up to `block_rows` rows multiply the blocks as integers
+ * (block_q8.c) instead, split between the threads by output features; larger ones round their
+ * activations the same way before weight_gemm.c.
  *
  * It computes what the PyTorch path computes (same weights, same fp32 arithmetic, rotate-half RoPE from
  * the same tables), only summing in another order.
@@ -32,7 +31,7 @@ typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int64_t num_blocks, block_size;
     int64_t int8_activations; /* round each projection's input as block_q8.c does */
-    int64_t block_rows;       /* steps of up to this many rows read Q4_1/Q8_0 blocks by block_gemv.c */
+    int64_t block_rows;       /* with int8 activations, steps of up to this many rows go to block_q8.c */
     float eps, scale;
     const LayerSpec *layers;
     const float *rope_cos, *rope_sin; /* [max_positions, head_dim / 2] */
@@ -70,13 +69,13 @@ static void rope(float *x, int64_t heads, int64_t head_dim, const float *cos, co
 typedef struct {
     const int64_t *positions, *slots, *block_tables, *seq_lens; /* see decoder_step */
     int64_t rows, max_blocks, max_len;
-    int read_blocks;  /* this step's projections go through block_gemv.c, else weight_gemm.c */
+    int read_blocks;  /* this step's projections go through block_q8.c, else weight_gemm.c */
     float *normed;    /* [rows, max(hidden, q_size)]: the normed residual, then the attention output */
     float *wide;      /* [rows, max(qkv width, intermediate)]: the QKV, then the MLP's hidden */
     float *gate_up;   /* [rows, 2 intermediate] from weight_gemm.c */
     BlockInput input; /* whichever feeds the next projection, as the blocks read it */
-    float *sums;      /* its block sums, then its int8 scales */
-    int8_t *q;        /* its int8 rounding, or NULL for fp32 activations */
+    float *sums;      /* its int8 scales, then scale * sum(q) per block */
+    int8_t *q;        /* its int8 rounding */
     float *rounded;   /* the same rounding in fp32, for weight_gemm.c */
     float *scores;    /* [threads, group, max_len] */
 } Step;
@@ -95,11 +94,11 @@ static void feed(const DecoderSpec *s, Step *t, const float *x, int64_t in)
         t->input.x = x;
         t->input.in = in;
         if (t->read_blocks)
-            prepare_input(&t->input, t->sums, t->q, t->sums + t->rows * in / QK);
+            prepare_input(&t->input, t->q, t->sums, t->sums + t->rows * in / QK);
     }
 }
 
-/* Row o of W, which block_gemv.c reads: its blocks, and their type in *qtype. */
+/* Row o of W, which block_q8.c reads: its blocks, and their type in *qtype. */
 static const uint8_t *block_row(const Weight *w, int64_t o, int64_t in, int *qtype)
 {
     int64_t p = 0;
@@ -124,7 +123,7 @@ static void project(const Weight *p, const Step *t, int64_t out, float *y, int a
         float acc[BLOCK_GEMV_MAX_ROWS];
         int qtype;
         const uint8_t *row = block_row(p, o, x->in, &qtype);
-        block_gemv_row(x, row, qtype, acc);
+        q8_dot_rows(x, row, qtype, acc);
         for (int64_t r = 0; r < rows; r++) {
             const float v = acc[r] + (p->bias ? p->bias[o] : 0.0f);
             y[r * out + o] = accumulate ? y[r * out + o] + v : v;
@@ -158,8 +157,8 @@ static void gate_up_silu(const Weight *p, const Step *t, int64_t inter, float *h
         int gate_type, up_type;
         const uint8_t *gate_row = block_row(p, o, x->in, &gate_type);
         const uint8_t *up_row = block_row(p, inter + o, x->in, &up_type);
-        block_gemv_row(x, gate_row, gate_type, gate);
-        block_gemv_row(x, up_row, up_type, up);
+        q8_dot_rows(x, gate_row, gate_type, gate);
+        q8_dot_rows(x, up_row, up_type, up);
         for (int64_t r = 0; r < rows; r++)
             h[r * inter + o] = silu(gate[r]) * up[r];
     }
@@ -237,7 +236,7 @@ int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const
                  const int64_t *block_tables, const int64_t *seq_lens, int64_t rows, int64_t max_blocks,
                  float *out, int num_threads)
 {
-    const int read_blocks = rows <= s->block_rows;
+    const int read_blocks = s->int8_activations && rows <= s->block_rows;
     if (rows < 1 || (read_blocks && rows > BLOCK_GEMV_MAX_ROWS) ||
         ((read_blocks || s->int8_activations) && (s->hidden % QK || s->intermediate % QK)))
         return -1;
@@ -256,8 +255,8 @@ int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const
     int ready = t.normed && t.wide && t.scores;
     if (read_blocks) {
         t.sums = malloc(sizeof(float) * rows * widest / QK * 2);
-        t.q = s->int8_activations ? malloc((size_t)(rows * widest)) : NULL;
-        ready = ready && t.sums && (t.q || !s->int8_activations);
+        t.q = malloc((size_t)(rows * widest));
+        ready = ready && t.sums && t.q;
     } else {
         t.gate_up = malloc(sizeof(float) * rows * 2 * s->intermediate);
         t.rounded = s->int8_activations ? malloc(sizeof(float) * rows * widest) : NULL;

@@ -32,7 +32,6 @@ int64_t row_bytes(int qtype, int64_t k)
 #define ROW_CASE(T)                                     \
     case T:                                             \
         for (int64_t s = 0; s < k / 32; s++) {          \
-            KScales ks;                                 \
             f32x16 w[2];                                \
             if (is_k_type(T) && s % 8 == 0)             \
                 k_scales(T, src + k_bytes(T) * (s / 8), &ks); \
@@ -58,6 +57,7 @@ static float float_weight(int qtype, const uint8_t *src, int64_t i)
 
 void dequantize_row(int qtype, const uint8_t *src, int64_t k, float *dst)
 {
+    KScales ks; /* of the K super-block being widened */
     switch (qtype) {
         FOR_EACH_TYPE(ROW_CASE)
     }

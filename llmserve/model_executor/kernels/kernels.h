@@ -1,6 +1,6 @@
-/* What the kernels share: weights in their stored formats (dequant.c, weight_gemm.c), GGUF block products
- * for a few rows (block_gemv.c with fp32 activations, block_q8.c with int8 ones) and one (sequence, KV
- * head) of decode attention (paged_attention.c), which decoder_step.c strings together.
+/* What the kernels share: weights in their stored formats (dequant.c, weight_gemm.c), block products of a
+ * few rows with int8 activations (block_q8.c) and one (sequence, KV head) of decode attention
+ * (paged_attention.c), which decoder_step.c strings together.
  *
  * The library is compiled once per instruction set (see native.py): code under USE_AVX2 runs on the
  * AVX2 and AVX-512 builds, the portable C beside it everywhere, and weight_gemm.c's vectors take the
@@ -49,7 +49,7 @@ static inline float hsum(__m256 v)
 }
 #endif
 
-/* Bytes of one block of the types block_gemv.c reads, or 0 for another type. Inline, so that the kernels
+/* Bytes of one block of the types block_q8.c reads, or 0 for another type. Inline, so that the kernels
  * specialised per type see a constant stride. */
 static inline int64_t block_bytes(int qtype)
 {
@@ -81,9 +81,8 @@ typedef struct {
  * called by every thread of a parallel region. */
 void weight_gemm_share(const float *x, int64_t m, int64_t k, const Weight *w, float *y, int accumulate);
 
-/* Rows x [rows, in] as a block product reads them: with sums[r, b], the sum of block b of row r (the
- * Q4_1 minimum's term); or, when q is set, rounded to int8 per block (q [rows, in], scales and sums
- * [rows, in / 32], see block_q8.c). */
+/* Rows x [rows, in] as block_q8.c reads them: rounded to int8 per block (q [rows, in]), with each block's
+ * scale and scale * sum(q) (the Q4_1 minimum's term), [rows, in / 32] each. */
 typedef struct {
     const float *x, *sums;
     const int8_t *q;
@@ -91,11 +90,8 @@ typedef struct {
     int64_t rows, in;
 } BlockInput;
 
-/* Fills what `in` needs besides x: the sums, and the int8 rounding when in->q is set. */
-void prepare_input(BlockInput *in, float *sums, int8_t *q, float *scales);
-
-/* sums[r, b] = the sum of x[r]'s block b. x: [rows, in]. */
-void block_sums(const float *x, int64_t rows, int64_t in, float *sums);
+/* Rounds in->x into q, scales and sums, and points `in` at them. */
+void prepare_input(BlockInput *in, int8_t *q, float *scales, float *sums);
 
 /* x rounded to int8 per block of 32: q, the blocks' scales, and scale * sum(q) for each. */
 void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *q, float *scales, float *sums);
@@ -104,10 +100,7 @@ void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *q, float *s
  * of more rows than the blocks take: out [rows, in]. */
 void round_rows(const float *x, int64_t rows, int64_t in, float *out);
 
-/* acc[r] = x[r] . w for one output row w of in / 32 blocks, for rows <= BLOCK_GEMV_MAX_ROWS. */
-void block_gemv_row(const BlockInput *in, const uint8_t *w, int qtype, float *acc);
-
-/* The same with int8 activations (in->q set). */
+/* acc[r] = x[r] . w for one output row w of in / 32 Q4_1 or Q8_0 blocks, rows <= BLOCK_GEMV_MAX_ROWS. */
 void q8_dot_rows(const BlockInput *in, const uint8_t *w, int qtype, float *acc);
 
 /* One sequence's query heads that share KV head `head_stride / (num_blocks * block_size * head_dim)`:

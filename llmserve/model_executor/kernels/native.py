@@ -9,8 +9,7 @@ one machine. Without a compiler the callers keep the PyTorch path.
 - `dequant.c`: rows of a weight in its stored format (GGUF blocks, fp16, bf16) widened to fp32.
 - `weight_gemm.c`: fp32 rows times a weight in its stored format, at any number of rows.
 - `paged_attention.c`: decode attention reading the paged KV cache in place.
-- `block_gemv.c`: a few rows times Q4_1/Q8_0 blocks, each block multiplied in registers; `block_q8.c`
-  the same with the rows rounded to int8 (`--quantization int8|int4`).
+- `block_q8.c`: a few rows rounded to int8 times Q4_1/Q8_0 blocks, as integers (`--quantization int8|int4`).
 - `decoder_step.c`: a decode step through every decoder layer, from those.
 """
 
@@ -90,17 +89,7 @@ def _load(isa: str) -> ctypes.CDLL | None:
     logger.info("Native kernels: %s build.", isa)
     library.paged_decode_attention.argtypes = [_PTR] * 6 + [_I64] * 7 + [ctypes.c_float, ctypes.c_int]
     library.paged_decode_attention.restype = ctypes.c_int
-    library.block_gemv.argtypes = [
-        _PTR,
-        _I64,
-        _I64,
-        _PTR,
-        _I64,
-        ctypes.c_int,
-        ctypes.c_int,
-        _PTR,
-        ctypes.c_int,
-    ]
+    library.block_gemv.argtypes = [_PTR, _I64, _I64, _PTR, _I64, ctypes.c_int, _PTR, ctypes.c_int]
     library.block_gemv.restype = ctypes.c_int
     library.round_rows.argtypes = [_PTR, _I64, _I64, _PTR]
     library.row_bytes.argtypes = [ctypes.c_int, _I64]
@@ -173,26 +162,21 @@ def paged_decode_attention(
     return out
 
 
-GGML_Q4_1, GGML_Q8_0 = 3, 8  # the block types block_gemv.c reads
 BLOCK_GEMV_MAX_ROWS = 16
 
 
-def block_gemv(
-    x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int, int8_activations: bool = False
-) -> torch.Tensor:
-    """x [rows <= 16, in] fp32 @ W.T, W [out_features, in] held as GGUF blocks [out_features, row_bytes];
-    with `int8_activations`, x rounded per block of 32 first (block_q8.c)."""
-    library = _library()
+def block_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int) -> torch.Tensor:
+    """x [rows <= 16, in] fp32, rounded to int8 per block of 32, @ W.T, W [out_features, in] held as Q4_1 or
+    Q8_0 blocks [out_features, row_bytes] (block_q8.c: what decode steps with int8 activations compute)."""
     x = x.contiguous()
     y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    status = library.block_gemv(
+    status = _library().block_gemv(
         x.data_ptr(),
         x.shape[0],
         x.shape[1],
         blocks.data_ptr(),
         out_features,
         qtype,
-        int8_activations,
         y.data_ptr(),
         torch.get_num_threads(),
     )

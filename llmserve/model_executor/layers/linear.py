@@ -20,7 +20,9 @@ from torch import nn
 from llmserve.model_executor.kernels import native
 from llmserve.model_executor.layers.stored_weight import StoredTensor, StoredWeight
 
-BLOCK_ROWS = 8  # decode steps up to this many rows read Q4_1/Q8_0 blocks with block_gemv.c (measured to 16)
+# With int8 activations, decode steps of up to this many rows multiply the blocks as integers (block_q8.c);
+# larger ones round the activations the same way and go through weight_gemm.c.
+BLOCK_ROWS = 8
 
 
 class LinearKernel(Protocol):

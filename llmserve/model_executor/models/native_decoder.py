@@ -20,9 +20,6 @@ from llmserve.model_executor.layers.linear import BLOCK_ROWS, Linear, StoredKern
 if TYPE_CHECKING:
     from llmserve.model_executor.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
 
-# Steps of up to BLOCK_ROWS rows of a model whose projections are all in these types multiply each block
-# in registers (block_gemv.c, block_q8.c) rather than widening rows to memory first.
-_REGISTER_BLOCK_TYPES = {native.GGML_Q4_1, native.GGML_Q8_0}
 
 
 def _kernels(model: LlamaForCausalLM) -> list[StoredKernel]:
@@ -49,7 +46,7 @@ class NativeDecoder:
             spec.gate_up = _weight(layer.mlp.gate_up_proj)
             spec.down = _weight(layer.mlp.down_proj)
         kernels = _kernels(model)
-        in_registers = all(k.weight.qtypes <= _REGISTER_BLOCK_TYPES for k in kernels)
+        int8_activations = any(k.int8_activations for k in kernels)  # then all are Q4_1/Q8_0 blocks
         self.spec = native.DecoderSpec(
             num_layers=c.num_hidden_layers,
             hidden=c.hidden_size,
@@ -57,8 +54,8 @@ class NativeDecoder:
             num_kv_heads=c.num_key_value_heads,
             head_dim=c.head_dim,
             intermediate=c.intermediate_size,
-            int8_activations=any(k.int8_activations for k in kernels),
-            block_rows=BLOCK_ROWS if in_registers else 0,
+            int8_activations=int8_activations,
+            block_rows=BLOCK_ROWS if int8_activations else 0,
             eps=c.rms_norm_eps,
             scale=c.head_dim**-0.5,
             layers=ctypes.cast(self.layers, ctypes.POINTER(native.LayerSpec)),
