@@ -8,8 +8,8 @@
  * bits a weight, not 32; for many rows the widening is amortised over MC rows.
  *
  * Up to FUSED_ROWS rows take a shorter way to the same sums: each 32 weights are widened in registers
- * and multiplied there (dequant.h), never stored, so a decode step is bound by the weights' bytes
- * rather than by widening them through memory.
+ * and multiplied there (dequant.h), never stored and loaded back. At one row the widening can bound a
+ * step before memory does: `python -m benchmarks.latency` reports the share of the read bandwidth used.
  *
  * Every y[r, o] is the same computation whatever the batch: for each slice of KC columns in order, VL
  * lanes of fused multiply-add chains, summed in one fixed tree, then the slice's tail, added to y (the
