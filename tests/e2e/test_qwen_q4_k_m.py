@@ -9,12 +9,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import torch
 
 from llmserve import LLM, RequestOutput, SamplingParams
 from llmserve.model_executor.kernels import native
 from tests.e2e.greedy_reference import Reference, assert_top_logprobs_match, compare_greedy, hf_greedy
+from tests.entrypoints.remote_server import RemoteServer
 
 PROMPTS = [
     "def quicksort(arr):\n",
@@ -101,6 +103,35 @@ def test_the_avx2_build_gives_the_same_outputs(
         assert_matches(run(llm), references)
     finally:
         llm.shutdown()
+
+
+def test_the_server_gives_the_same_outputs(
+    qwen_outputs: list[RequestOutput], references: list[Reference]
+) -> None:
+    """Through `llmserve serve` and the `openai` client: the same text, and each chosen token's logprob
+    within 1e-3 of `transformers`' (up to a near-tie, where the offline run and HF may part)."""
+    name = "qwen2.5-coder-0.5b-instruct"
+    server = RemoteServer([name, "--kv-cache-memory", str(KV_POOL), "--dtype", "float32"])
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        common: dict[str, Any] = dict(model=name, max_tokens=NUM_TOKENS, temperature=0.0)
+        for out, ref in zip(qwen_outputs[: len(PROMPTS)], references):
+            served = client.completions.create(
+                prompt=out.prompt_token_ids, logprobs=5, extra_body={"ignore_eos": True}, **common
+            ).choices[0]
+            assert served.text == out.outputs[0].text
+            assert served.logprobs is not None and served.logprobs.token_logprobs is not None
+            for i, (logprob, token) in enumerate(
+                zip(served.logprobs.token_logprobs, out.outputs[0].token_ids)
+            ):
+                if token != ref.token_ids[i]:
+                    break  # a near-tie (compare_greedy checked it offline)
+                assert abs(logprob - float(ref.logprobs[i][token])) < 1e-3
+        for chat, out in zip(CHATS, qwen_outputs[len(PROMPTS) :]):
+            reply = client.chat.completions.create(messages=chat, extra_body={"ignore_eos": True}, **common)
+            assert reply.choices[0].message.content == out.outputs[0].text
+    finally:
+        server.stop()
 
 
 def test_resident_memory_is_the_file_plus_the_kv_pool(qwen_llm: LLM, qwen_gguf_path: Path) -> None:
