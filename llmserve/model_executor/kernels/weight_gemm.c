@@ -264,7 +264,7 @@ static void group_product(const float *x, int64_t m, int64_t ldx, int64_t kc, co
 /* This thread's scratch for one group's widened slice, kept between calls. */
 static float *scratch(void)
 {
-    static __thread float buffer[NB * KC];
+    static __thread float buffer[NB * KC] __attribute__((aligned(64))); /* whole cache lines per vector */
     return buffer;
 }
 
