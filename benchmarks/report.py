@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from benchmarks.results import portable_command
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 BENCHMARKS = ("throughput", "latency", "serving", "prefix")
@@ -187,7 +190,7 @@ def render(docs: list[dict[str, Any]]) -> str:
     lines = [machine_line(docs), note, "", "| what | command | llmserve | peers |", "|---|---|---|---|"]
     for doc in docs:
         for what, command, ours, peers in FORMATTERS[doc["benchmark"]](doc):
-            lines.append(f"| {what} | `{command}` | {ours} | {peers} |")
+            lines.append(f"| {what} | `{portable_command(shlex.split(command))}` | {ours} | {peers} |")
     return "\n".join(lines)
 
 

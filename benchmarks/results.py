@@ -17,6 +17,24 @@ def add_json_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
 
 
+# The peers' locations differ between machines: commands name them by variables the reader sets.
+PEER_VARIABLES = {
+    "--llama-cpp-python": "$LLAMA_CPP_PYTHON",
+    "--vllm-python": "$VLLM_PYTHON",
+    "--llama-batched-bench": "$LLAMA_CPP_BIN/llama-batched-bench",
+    "--llama-server": "$LLAMA_CPP_BIN/llama-server",
+}
+
+
+def portable_command(argv: list[str]) -> str:
+    """A shell command line with each peer's path replaced by its variable (`PEER_VARIABLES`)."""
+    words = [shlex.quote(arg) for arg in argv]
+    for i, arg in enumerate(argv[:-1]):
+        if arg in PEER_VARIABLES:
+            words[i + 1] = PEER_VARIABLES[arg]
+    return " ".join(words)
+
+
 def command_line(module: str) -> str:
     """How to rerun this benchmark: its module and arguments, without the --json destination."""
     args, skip = [], False
@@ -28,7 +46,7 @@ def command_line(module: str) -> str:
             skip = True
             continue
         args.append(arg)
-    return shlex.join(["python", "-m", module, *args])
+    return portable_command(["python", "-m", module, *args])
 
 
 def write_results(path: Path | None, module: str, results: dict[str, Any], foreign_load: float) -> None:

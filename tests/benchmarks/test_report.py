@@ -118,3 +118,19 @@ def test_single_stream_rows_carry_llama_cpp_decode_and_our_ratio() -> None:
     (row,) = report.latency_rows(doc)
     assert row[0] == "single-stream decode, float32, int4"
     assert "75.0 tok/s (1.20×)" in row[3]
+
+
+def test_commands_name_the_peers_by_variables() -> None:
+    """A path to a peer on one machine means nothing on another: the table shows the variable to set."""
+    command = (
+        "python -m benchmarks.serving --llama-cpp-python /opt/x/bin/python "
+        "--llama-server '/home/a b/llama-server' --concurrency 8"
+    )
+    prefix = {"num_requests": 2, "prefix_len": 8, "concurrency": 1,
+              "on": {"ttft_p50_ms": 1.0, "hit_rate": 0.5}, "off": {"ttft_p50_ms": 2.0}}  # fmt: skip
+    table = report.render([{**doc("prefix", prefix), "command": command}])
+    assert (
+        "--llama-cpp-python $LLAMA_CPP_PYTHON --llama-server $LLAMA_CPP_BIN/llama-server --concurrency 8"
+        in table
+    )
+    assert "/opt/x" not in table and "/home/a b" not in table
