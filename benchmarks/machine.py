@@ -34,21 +34,20 @@ def warn_if_busy(threshold: float = 0.3) -> float:
 
 
 def cpu_model() -> str:
-    """The CPU's name and the vector extensions that decide CPU matmul speed."""
-    name, flags = platform.processor() or "unknown CPU", set[str]()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    name = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                    break
-    except OSError:
-        pass
-    extensions = [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if x in flags]
-    return f"{name} ({', '.join(extensions) or 'no AVX2'})"
+    """The CPU's name, the vector extensions that decide CPU matmul speed, and our kernels' build."""
+    from llmserve.model_executor.kernels import native
+
+    name = platform.processor() or "unknown CPU"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+                break
+    flags = native.cpu_flags()
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8")
+    extensions = [x for x in wanted if x in flags]
+    return f"{name} ({', '.join(extensions) or 'no AVX2'}; kernels: {native.selected_isa()} build)"
 
 
 def describe(foreign_load: float) -> dict[str, object]:

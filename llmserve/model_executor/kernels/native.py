@@ -49,16 +49,18 @@ def cache_dir() -> Path:
     return Path(root).expanduser() / "llmserve" / "kernels"
 
 
+@functools.cache  # every kernel call asks for its library, so the flags are read once
 def cpu_flags() -> frozenset[str]:
     with open("/proc/cpuinfo") as f:
         line = next((line for line in f if line.startswith(("flags", "Features"))), "")
     return frozenset(line.partition(":")[2].split())
 
 
-def supported_isas() -> list[str]:
+@functools.cache
+def supported_isas() -> tuple[str, ...]:
     """The instruction sets this CPU runs, best first."""
     flags = cpu_flags()
-    return [isa for isa, (needs, _) in ISAS.items() if needs <= flags]
+    return tuple(isa for isa, (needs, _) in ISAS.items() if needs <= flags)
 
 
 def selected_isa() -> str:

@@ -55,9 +55,6 @@ class StoredTensor:
         ids = torch.arange(self.rows) if ids is None else ids
         return native.dequantize_rows(self.data, self.qtype, self.in_features, ids)
 
-    def narrow_rows(self, start: int, length: int) -> StoredTensor:
-        return StoredTensor(self.qtype, self.data.narrow(0, start, length), self.in_features)
-
 
 class StoredWeight:
     """A projection's weight [out, in] as parts of rows stacked, and its bias; called on fp32 rows."""
@@ -67,7 +64,6 @@ class StoredWeight:
             raise ValueError(f"A stored weight has 1 to {native.MAX_WEIGHT_PARTS} parts, got {len(parts)}.")
         self.parts = parts
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.in_features = parts[0].in_features
         self.out_features = sum(part.rows for part in parts)
         self.native = native.Weight(
             num_parts=len(parts), bias=0 if self.bias is None else self.bias.data_ptr()
@@ -85,6 +81,3 @@ class StoredWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return native.weight_gemm(x, self.native, self.out_features)
-
-    def dequantize(self) -> torch.Tensor:
-        return torch.cat([part.dequantize() for part in self.parts])

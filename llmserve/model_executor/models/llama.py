@@ -93,7 +93,6 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: LlamaConfig, stored: bool = False) -> None:
         super().__init__()
         self.config = config
-        self.stored = stored
         self.embed_tokens: nn.Embedding | StoredEmbedding = (
             StoredEmbedding(config.vocab_size, config.hidden_size)
             if stored
