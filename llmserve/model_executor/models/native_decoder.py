@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from llmserve.model_executor.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
 
 
-
 def _kernels(model: LlamaForCausalLM) -> list[StoredKernel]:
     decoder = [m for layer in model.layers for m in layer.modules() if isinstance(m, Linear)]
     return [m.kernel for m in decoder if isinstance(m.kernel, StoredKernel)]
