@@ -59,7 +59,51 @@ INLINE void scale_min(const uint8_t *s, int i, int *sc, int *mn)
     }
 }
 
-/* Q4_0 and Q4_1 (with_min), Q5_0 and Q5_1 (with high bits): one whole block. */
+/* legacy32 reads one whole block of Q4_0 and Q4_1 (with_min), Q5_0 and Q5_1 (with high bits); q8_0_32
+ * one of Q8_0. With AVX-512 BW the bytes stay bytes until one widening to int32, and a fifth bit is set
+ * from a mask register (qh) in one masked add per 16 weights: the generic code's per-lane shifts of qh
+ * made Q5_0 cost twice Q4_0. The values are the same either way. */
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+/* The nibbles of a legacy block's 16 bytes, low ones (weights 0-15) then high ones (16-31), each with
+ * its fifth bit from qh where the type has one. */
+INLINE void nibbles32(const uint8_t *qs, int with_high, uint32_t qh, __m128i q[2])
+{
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)qs), low4 = _mm_set1_epi8(0x0f);
+    q[0] = _mm_and_si128(bytes, low4);
+    q[1] = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+    if (with_high)
+        for (int half = 0; half < 2; half++)
+            q[half] = _mm_mask_add_epi8(q[half], (__mmask16)(qh >> (16 * half)), q[half], _mm_set1_epi8(16));
+}
+
+/* Sixteen int8 (signed) or uint8 values widened to fp32. */
+INLINE f32x16 bytes_to_float(__m128i q, int is_signed)
+{
+    return (f32x16)_mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(q) : _mm512_cvtepu8_epi32(q));
+}
+
+INLINE void legacy32(const uint8_t *block, int with_min, int with_high, f32x16 w[2])
+{
+    const int offset = with_high ? 16 : 8; /* what the unsigned value is centred on, without a minimum */
+    const uint8_t *qs = block + 2 + 2 * with_min + 4 * with_high;
+    const float d = read_half(block), m = with_min ? read_half(block + 2) : 0.0f;
+    uint32_t qh = 0;
+    if (with_high)
+        memcpy(&qh, block + 2 + 2 * with_min, 4);
+    __m128i q[2];
+    nibbles32(qs, with_high, qh, q);
+    for (int half = 0; half < 2; half++)
+        w[half] = with_min ? d * bytes_to_float(q[half], 0) + m
+                           : d * bytes_to_float(_mm_sub_epi8(q[half], _mm_set1_epi8((char)offset)), 1);
+}
+
+INLINE void q8_0_32(const uint8_t *block, f32x16 w[2])
+{
+    const float d = read_half(block);
+    for (int half = 0; half < 2; half++)
+        w[half] = d * bytes_to_float(_mm_loadu_si128((const __m128i *)(block + 2 + 16 * half)), 1);
+}
+#else
 INLINE void legacy32(const uint8_t *block, int with_min, int with_high, f32x16 w[2])
 {
     static const u32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -84,6 +128,8 @@ INLINE void q8_0_32(const uint8_t *block, f32x16 w[2])
     for (int half = 0; half < 2; half++) /* unsigned bytes offset by 128: those widen in vectors */
         w[half] = d * to_float(widen(load16(block + 2 + 16 * half) ^ 0x80) - 128);
 }
+
+#endif
 
 /* A K super-block's scales: d * sc and, for Q4_K/Q5_K, dmin * m, per group of 32 weights (8 of them) or,
  * for Q6_K, per 16 (16 of them): one super-block's worth, computed once for its 256 weights. */
@@ -167,6 +213,20 @@ INLINE int is_k_type(int qtype)
 INLINE int64_t k_bytes(int qtype)
 {
     return qtype == Q4_K ? 144 : qtype == Q5_K ? 176 : 210;
+}
+
+/* Stored bytes of 32 weights of a type that is not a K type. */
+INLINE int64_t bytes32(int qtype)
+{
+    switch (qtype) {
+    case F32: return 128;
+    case F16: case BF16: return 64;
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    default: return 34; /* Q8_0 */
+    }
 }
 
 /* Weights 32 g .. 32 g + 31 (g < 8) of a K type's super-block, its scales given. */
