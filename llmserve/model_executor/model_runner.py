@@ -12,7 +12,7 @@ from llmserve.engine.messages import TokenLogprobs
 from llmserve.model_executor.attention import AttentionMetadata, PrefillChunk
 from llmserve.model_executor.cpu_threads import configure_core_threads
 from llmserve.model_executor.device import resolve_device, resolve_dtype
-from llmserve.model_executor.host_memory import empty_huge, populate_in_background
+from llmserve.model_executor.host_memory import empty_pool, populate_in_background
 from llmserve.model_executor.input_buffers import InputBuffers
 from llmserve.model_executor.kernels import native
 from llmserve.model_executor.loader import ModelSource, iter_weights
@@ -69,17 +69,17 @@ class ModelRunner:
         shape = (c.num_key_value_heads, num_blocks, block_size, c.head_dim)  # head-major: see attention.py
         self.block_size = block_size
 
-        # The C kernel reads only written slots, so its cache needs no clearing (only faulting in, on a
-        # thread of its own: host_memory.py), and reads it in scattered blocks, on huge pages. The
-        # PyTorch path reads padding too, masked out; that must not be NaN, so its cache starts at zero.
+        # The C kernel reads only written slots, so its cache needs no clearing, only faulting in
+        # (host_memory.py). The PyTorch path reads padding too, masked out; that must not be NaN, so its
+        # cache starts at zero.
         def allocate() -> torch.Tensor:
             if self.native:
-                return empty_huge(shape, self.dtype)
+                return empty_pool(shape, self.dtype)
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
         self.kv_caches = [(allocate(), allocate()) for _ in range(c.num_hidden_layers)]
         if self.native:
-            populate_in_background([t for pair in self.kv_caches for t in pair if t.numel() > 0])
+            populate_in_background([t for pair in self.kv_caches for t in pair])
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
