@@ -60,26 +60,45 @@ INLINE void scale_min(const uint8_t *s, int i, int *sc, int *mn)
 }
 
 /* legacy32 reads one whole block of Q4_0 and Q4_1 (with_min), Q5_0 and Q5_1 (with high bits); q8_0_32
- * one of Q8_0. With AVX-512 BW the bytes stay bytes until one widening to int32, and a fifth bit is set
- * from a mask register (qh) in one masked add per 16 weights: the generic code's per-lane shifts of qh
- * made Q5_0 cost twice Q4_0. The values are the same either way. */
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-/* The nibbles of a legacy block's 16 bytes, low ones (weights 0-15) then high ones (16-31), each with
- * its fifth bit from qh where the type has one. */
-INLINE void nibbles32(const uint8_t *qs, int with_high, uint32_t qh, __m128i q[2])
+ * one of Q8_0. With AVX2 or AVX-512 the bytes stay bytes until one widening to int32, and the fifth bits
+ * are spread to bytes at once (AVX-512 BW: a mask register's, in one masked add per 16 weights): the
+ * generic code's per-lane shifts of qh made Q5_0 cost twice Q4_0. The values are the same either way. */
+#ifdef USE_AVX2
+/* Bits [16 half, 16 half + 16) of qh as 16 bytes of 16 or 0, added to q. */
+INLINE __m128i add_fifth_bits(__m128i q, uint32_t qh, int half)
 {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)qs), low4 = _mm_set1_epi8(0x0f);
-    q[0] = _mm_and_si128(bytes, low4);
-    q[1] = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-    if (with_high)
-        for (int half = 0; half < 2; half++)
-            q[half] = _mm_mask_add_epi8(q[half], (__mmask16)(qh >> (16 * half)), q[half], _mm_set1_epi8(16));
+    const uint32_t bits = qh >> (16 * half);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm_mask_add_epi8(q, (__mmask16)bits, q, _mm_set1_epi8(16));
+#else
+    /* byte i takes byte i / 8 of the bits, keeps bit i % 8, and becomes 16 if it was set */
+    const __m128i spread = _mm_shuffle_epi8(_mm_set1_epi32((int)bits), _mm_set_epi64x(0x0101010101010101, 0));
+    const __m128i bit = _mm_set1_epi64x((long long)0x8040201008040201ull);
+    const __m128i set = _mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit);
+    return _mm_add_epi8(q, _mm_and_si128(set, _mm_set1_epi8(16)));
+#endif
 }
 
-/* Sixteen int8 (signed) or uint8 values widened to fp32. */
-INLINE f32x16 bytes_to_float(__m128i q, int is_signed)
+/* d * v (+ m, with add_m) for v's 16 int8 (is_signed) or uint8 values, as fp32: the multiply and the
+ * add separate, as everywhere here. The scale is applied on the build's own vectors: GCC keeps a 64-byte
+ * vector in memory on AVX2, and built d's broadcast there one float at a time, stalling every load. */
+INLINE f32x16 scaled16(__m128i v, int is_signed, float d, float m, int add_m)
 {
-    return (f32x16)_mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(q) : _mm512_cvtepu8_epi32(q));
+#if defined(__AVX512F__)
+    __m512 f = _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+    f = _mm512_mul_ps(_mm512_set1_ps(d), f);
+    return (f32x16)(add_m ? _mm512_add_ps(f, _mm512_set1_ps(m)) : f);
+#else
+    typedef float f32x8 __attribute__((vector_size(32)));
+    const __m128i halves[2] = {v, _mm_unpackhi_epi64(v, v)};
+    f32x8 f[2];
+    for (int h = 0; h < 2; h++) {
+        __m256 x = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(halves[h]) : _mm256_cvtepu8_epi32(halves[h]));
+        x = _mm256_mul_ps(_mm256_set1_ps(d), x);
+        f[h] = (f32x8)(add_m ? _mm256_add_ps(x, _mm256_set1_ps(m)) : x);
+    }
+    return __builtin_shufflevector(f[0], f[1], 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
 }
 
 INLINE void legacy32(const uint8_t *block, int with_min, int with_high, f32x16 w[2])
@@ -90,18 +109,21 @@ INLINE void legacy32(const uint8_t *block, int with_min, int with_high, f32x16 w
     uint32_t qh = 0;
     if (with_high)
         memcpy(&qh, block + 2 + 2 * with_min, 4);
-    __m128i q[2];
-    nibbles32(qs, with_high, qh, q);
-    for (int half = 0; half < 2; half++)
-        w[half] = with_min ? d * bytes_to_float(q[half], 0) + m
-                           : d * bytes_to_float(_mm_sub_epi8(q[half], _mm_set1_epi8((char)offset)), 1);
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)qs), low4 = _mm_set1_epi8(0x0f);
+    __m128i q[2] = {_mm_and_si128(bytes, low4), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4)};
+    for (int half = 0; half < 2; half++) {
+        if (with_high)
+            q[half] = add_fifth_bits(q[half], qh, half);
+        w[half] = with_min ? scaled16(q[half], 0, d, m, 1)
+                           : scaled16(_mm_sub_epi8(q[half], _mm_set1_epi8((char)offset)), 1, d, 0.0f, 0);
+    }
 }
 
 INLINE void q8_0_32(const uint8_t *block, f32x16 w[2])
 {
     const float d = read_half(block);
     for (int half = 0; half < 2; half++)
-        w[half] = d * bytes_to_float(_mm_loadu_si128((const __m128i *)(block + 2 + 16 * half)), 1);
+        w[half] = scaled16(_mm_loadu_si128((const __m128i *)(block + 2 + 16 * half)), 1, d, 0.0f, 0);
 }
 #else
 INLINE void legacy32(const uint8_t *block, int with_min, int with_high, f32x16 w[2])
@@ -163,7 +185,11 @@ INLINE void k32(const uint8_t *block, int i, int with_high, const KScales *k, f3
         u8x16 q = i % 2 ? bytes >> 4 : bytes & 0x0f;
         if (with_high)
             q |= ((load16(qh + 16 * half) >> i) & 1) << 4;
+#ifdef USE_AVX2
+        w[half] = scaled16((__m128i)q, 0, k->d[i], -k->m[i], 1);
+#else
         w[half] = k->d[i] * to_float(widen(q)) - k->m[i];
+#endif
     }
 }
 
@@ -175,7 +201,11 @@ INLINE void q6_k32(const uint8_t *block, int g, const KScales *k, f32x16 w[2])
         const u8x16 low = load16(block + 64 * h + 32 * (t % 2) + 16 * half);
         const u8x16 high = load16(block + 128 + 32 * h + 16 * half);
         const u8x16 q = ((t / 2 ? low >> 4 : low) & 0x0f) | (((high >> (2 * t)) & 3) << 4);
+#ifdef USE_AVX2
+        w[half] = scaled16(_mm_sub_epi8((__m128i)q, _mm_set1_epi8(32)), 1, k->d[2 * g + half], 0.0f, 0);
+#else
         w[half] = k->d[2 * g + half] * to_float(widen(q) - 32);
+#endif
     }
 }
 

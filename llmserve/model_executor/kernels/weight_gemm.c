@@ -161,8 +161,19 @@ INLINE void store_column(float *y, int64_t n, int rows, int64_t col, const float
 /* acc[r][j] += x[r][0:32] * w, lane by lane, for r < rows. */
 INLINE void multiply32(const f32x16 w[2], const float *x, int64_t ldx, int rows, vf acc[FUSED_ROWS][NB], int j)
 {
-    vf b[32 / VL];
+    /* The build's vectors cut from w's lanes in registers (a copy through memory made AVX2 builds store
+     * halves and reload them whole, stalling every load). */
+#if VL == 16
+    const vf b[2] = {w[0], w[1]};
+#elif VL == 8
+    const vf b[4] = {__builtin_shufflevector(w[0], w[0], 0, 1, 2, 3, 4, 5, 6, 7),
+                     __builtin_shufflevector(w[0], w[0], 8, 9, 10, 11, 12, 13, 14, 15),
+                     __builtin_shufflevector(w[1], w[1], 0, 1, 2, 3, 4, 5, 6, 7),
+                     __builtin_shufflevector(w[1], w[1], 8, 9, 10, 11, 12, 13, 14, 15)};
+#else
+    vf b[8];
     memcpy(b, w, sizeof b);
+#endif
     _Pragma("GCC unroll 4") for (int p = 0; p < 32 / VL; p++)
         _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++)
             acc[r][j] = vfma(vload(x + r * ldx + VL * p), b[p], acc[r][j]);
