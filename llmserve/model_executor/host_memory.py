@@ -28,6 +28,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14; not among Python 3.11's mmap constants
+_CHUNK = 2 << 20
 
 
 def empty_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -48,9 +49,12 @@ def populate(tensors: list[torch.Tensor]) -> bool:
     for t in tensors:
         start = t.data_ptr() // page * page  # a small tensor's memory comes from malloc, not page-aligned
         end = t.data_ptr() + t.numel() * t.element_size()
-        # A foreign call releases the GIL: the engine goes on while the kernel faults pages in.
-        if libc.madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
-            return False
+        # A foreign call releases the GIL: the engine goes on while the kernel faults pages in. A chunk
+        # at a time, since the kernel holds the process's memory map meanwhile, which the engine's own
+        # mappings (every large tensor it allocates) wait for.
+        for chunk in range(start, end, _CHUNK):
+            if libc.madvise(chunk, min(_CHUNK, end - chunk), _MADV_POPULATE_WRITE) != 0:
+                return False
     return True
 
 
