@@ -59,10 +59,6 @@ INLINE void scale_min(const uint8_t *s, int i, int *sc, int *mn)
     }
 }
 
-/* legacy32 reads one whole block of Q4_0 and Q4_1 (with_min), Q5_0 and Q5_1 (with high bits); q8_0_32
- * one of Q8_0. With AVX2 or AVX-512 the bytes stay bytes until one widening to int32, and the fifth bits
- * are spread to bytes at once (AVX-512 BW: a mask register's, in one masked add per 16 weights): the
- * generic code's per-lane shifts of qh made Q5_0 cost twice Q4_0. The values are the same either way. */
 #ifdef USE_AVX2
 /* Bits [16 half, 16 half + 16) of qh as 16 bytes of 16 or 0, added to q. */
 INLINE __m128i add_fifth_bits(__m128i q, uint32_t qh, int half)
@@ -93,14 +89,20 @@ INLINE f32x16 scaled16(__m128i v, int is_signed, float d, float m, int add_m)
     const __m128i halves[2] = {v, _mm_unpackhi_epi64(v, v)};
     f32x8 f[2];
     for (int h = 0; h < 2; h++) {
-        __m256 x = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(halves[h]) : _mm256_cvtepu8_epi32(halves[h]));
+        const __m128i b = halves[h];
+        __m256 x = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
         x = _mm256_mul_ps(_mm256_set1_ps(d), x);
         f[h] = (f32x8)(add_m ? _mm256_add_ps(x, _mm256_set1_ps(m)) : x);
     }
     return __builtin_shufflevector(f[0], f[1], 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 #endif
 }
+#endif
 
+/* legacy32 reads one whole block of Q4_0 and Q4_1 (with_min), Q5_0 and Q5_1 (with high bits); q8_0_32
+ * one of Q8_0. With AVX2 or AVX-512 the bytes stay bytes until one widening to int32, and the fifth bits
+ * are spread to bytes at once (AVX-512 BW: a mask register's, in one masked add per 16 weights): the
+ * generic code's per-lane shifts of qh made Q5_0 cost twice Q4_0. The values are the same either way. */
 INLINE void legacy32(const uint8_t *block, int with_min, int with_high, f32x16 w[2])
 {
     const int offset = with_high ? 16 : 8; /* what the unsigned value is centred on, without a minimum */
@@ -109,6 +111,7 @@ INLINE void legacy32(const uint8_t *block, int with_min, int with_high, f32x16 w
     uint32_t qh = 0;
     if (with_high)
         memcpy(&qh, block + 2 + 2 * with_min, 4);
+#ifdef USE_AVX2
     const __m128i bytes = _mm_loadu_si128((const __m128i *)qs), low4 = _mm_set1_epi8(0x0f);
     __m128i q[2] = {_mm_and_si128(bytes, low4), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4)};
     for (int half = 0; half < 2; half++) {
@@ -117,24 +120,8 @@ INLINE void legacy32(const uint8_t *block, int with_min, int with_high, f32x16 w
         w[half] = with_min ? scaled16(q[half], 0, d, m, 1)
                            : scaled16(_mm_sub_epi8(q[half], _mm_set1_epi8((char)offset)), 1, d, 0.0f, 0);
     }
-}
-
-INLINE void q8_0_32(const uint8_t *block, f32x16 w[2])
-{
-    const float d = read_half(block);
-    for (int half = 0; half < 2; half++)
-        w[half] = scaled16(_mm_loadu_si128((const __m128i *)(block + 2 + 16 * half)), 1, d, 0.0f, 0);
-}
 #else
-INLINE void legacy32(const uint8_t *block, int with_min, int with_high, f32x16 w[2])
-{
     static const u32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const int offset = with_high ? 16 : 8; /* what the unsigned value is centred on, without a minimum */
-    const uint8_t *qs = block + 2 + 2 * with_min + 4 * with_high;
-    const float d = read_half(block), m = with_min ? read_half(block + 2) : 0.0f;
-    uint32_t qh = 0;
-    if (with_high)
-        memcpy(&qh, block + 2 + 2 * with_min, 4);
     const u8x16 bytes = load16(qs);
     i32x16 q[2] = {widen(bytes & 0x0f), widen(bytes >> 4)};
     for (int half = 0; half < 2; half++) {
@@ -142,16 +129,19 @@ INLINE void legacy32(const uint8_t *block, int with_min, int with_high, f32x16 w
             q[half] |= (i32x16)((((qh >> (16 * half)) >> lane) & 1) << 4);
         w[half] = with_min ? d * to_float(q[half]) + m : d * to_float(q[half] - offset);
     }
+#endif
 }
 
 INLINE void q8_0_32(const uint8_t *block, f32x16 w[2])
 {
     const float d = read_half(block);
-    for (int half = 0; half < 2; half++) /* unsigned bytes offset by 128: those widen in vectors */
+    for (int half = 0; half < 2; half++)
+#ifdef USE_AVX2
+        w[half] = scaled16(_mm_loadu_si128((const __m128i *)(block + 2 + 16 * half)), 1, d, 0.0f, 0);
+#else /* unsigned bytes offset by 128: those widen in vectors */
         w[half] = d * to_float(widen(load16(block + 2 + 16 * half) ^ 0x80) - 128);
-}
-
 #endif
+}
 
 /* A K super-block's scales: d * sc and, for Q4_K/Q5_K, dmin * m, per group of 32 weights (8 of them) or,
  * for Q6_K, per 16 (16 of them): one super-block's worth, computed once for its 256 weights. */
