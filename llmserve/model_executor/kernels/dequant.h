@@ -47,16 +47,34 @@ INLINE f32x16 to_float(i32x16 v)
     return __builtin_convertvector(v, f32x16);
 }
 
-/* Q4_K's and Q5_K's 6-bit scale and minimum of sub-block i. */
-INLINE void scale_min(const uint8_t *s, int i, int *sc, int *mn)
+/* Q4_K's and Q5_K's 6-bit scales and minimums of their 8 sub-blocks, from 12 bytes: sub-block i < 4
+ * has its scale in the low 6 bits of byte i and its minimum in those of byte i + 4; sub-block i >= 4
+ * the low and high nibbles of byte i + 4, with the top 2 bits of bytes i - 4 and i above them. Four
+ * sub-blocks at a time, as the bytes of 32-bit words. */
+INLINE void scales_mins(const uint8_t *s, uint8_t sc[8], uint8_t mn[8])
 {
-    if (i < 4) {
-        *sc = s[i] & 63;
-        *mn = s[i + 4] & 63;
-    } else {
-        *sc = (s[i + 4] & 0x0f) | ((s[i - 4] >> 6) << 4);
-        *mn = (s[i + 4] >> 4) | ((s[i] >> 6) << 4);
-    }
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, top2 = 0x03030303u;
+    const uint32_t words[4] = {a & low6, (c & low4) | (((a >> 6) & top2) << 4), b & low6,
+                               ((c >> 4) & low4) | (((b >> 6) & top2) << 4)};
+    memcpy(sc, words, 8);
+    memcpy(mn, words + 2, 8);
+}
+
+/* out[i] = d * (float)v[i] for 8 bytes v, in one vector where there are vectors. */
+INLINE void scale8(const uint8_t v[8], float d, float out[8])
+{
+#ifdef USE_AVX2
+    __m128i bytes;
+    memcpy(&bytes, v, 8);
+    _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes))));
+#else
+    for (int i = 0; i < 8; i++)
+        out[i] = d * (float)v[i];
+#endif
 }
 
 #ifdef USE_AVX2
@@ -157,13 +175,10 @@ INLINE void k_scales(int qtype, const uint8_t *block, KScales *out)
             out->d[i] = d * (float)(int8_t)block[192 + i];
         return;
     }
-    const float d = read_half(block), dmin = read_half(block + 2);
-    for (int i = 0; i < 8; i++) {
-        int sc, mn;
-        scale_min(block + 4, i, &sc, &mn);
-        out->d[i] = d * (float)sc;
-        out->m[i] = dmin * (float)mn;
-    }
+    uint8_t sc[8], mn[8];
+    scales_mins(block + 4, sc, mn);
+    scale8(sc, read_half(block), out->d);
+    scale8(mn, read_half(block + 2), out->m);
 }
 
 /* Sub-block i of a Q4_K (or, with_high, Q5_K) super-block, its scales given. */
