@@ -117,10 +117,11 @@ def test_sigkill_during_generate_raises_engine_dead_error(tiny_llama_hf_dir: Pat
     llm = LLM(model=str(tiny_llama_hf_dir), kv_cache_memory=16 << 20)
     client = llm.llm_engine.engine_core
     assert isinstance(client, SyncMPClient) and client.proc.pid is not None
-    params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)  # seconds of work
+    # Seconds of work, well past the kill (8 such prompts took 0.46 s on a Zen 5 core pair: too few).
+    params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
     killed_at = kill_after(client.proc.pid, 0.5)
     with pytest.raises(EngineDeadError, match="SIGKILL"):
-        llm.generate(["Hello there"] * 8, params, use_tqdm=False)
+        llm.generate(["Hello there"] * 64, params, use_tqdm=False)
     assert killed_at and time.monotonic() - killed_at[0] < 5
     start = time.monotonic()
     with pytest.raises(EngineDeadError, match="SIGKILL"):
