@@ -105,7 +105,7 @@ static const uint8_t *block_row(const Weight *w, int64_t o, int64_t in, int *qty
     while (o >= w->parts[p].rows)
         o -= w->parts[p++].rows;
     *qtype = (int)w->parts[p].qtype;
-    return w->parts[p].data + o * (in / QK) * block_bytes(*qtype);
+    return w->parts[p].data + o * row_bytes(*qtype, in);
 }
 
 /* y[r, o] (+)= x[r] . W[o] + bias[o], y: [rows, out], for this thread's share of the outputs; `accumulate` adds into y. */

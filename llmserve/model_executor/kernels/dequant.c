@@ -11,21 +11,8 @@
 
 int64_t row_bytes(int qtype, int64_t k)
 {
-    int64_t block = QK, bytes;
-    switch (qtype) {
-    case F32: block = 1, bytes = 4; break;
-    case F16: case BF16: block = 1, bytes = 2; break;
-    case Q4_0: bytes = 18; break;
-    case Q4_1: bytes = 20; break;
-    case Q5_0: bytes = 22; break;
-    case Q5_1: bytes = 24; break;
-    case Q8_0: bytes = 34; break;
-    case Q4_K: block = QK_K, bytes = 144; break;
-    case Q5_K: block = QK_K, bytes = 176; break;
-    case Q6_K: block = QK_K, bytes = 210; break;
-    default: return 0;
-    }
-    return k > 0 && k % block == 0 ? k / block * bytes : 0;
+    const int64_t bytes = block_bytes(qtype), weights = block_weights(qtype);
+    return bytes && k > 0 && k % weights == 0 ? k / weights * bytes : 0;
 }
 
 /* One type's copy of the loop over a row's 32-weight groups. */
@@ -34,7 +21,7 @@ int64_t row_bytes(int qtype, int64_t k)
         for (int64_t s = 0; s < k / 32; s++) {          \
             f32x16 w[2];                                \
             if (is_k_type(T) && s % 8 == 0)             \
-                k_scales(T, src + k_bytes(T) * (s / 8), &ks); \
+                k_scales(T, src + block_bytes(T) * (s / 8), &ks); \
             decode32(T, src, s, &ks, w);                \
             memcpy(dst + 32 * s, w, sizeof w);          \
         }                                               \

@@ -244,24 +244,10 @@ INLINE int is_k_type(int qtype)
     return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K;
 }
 
-/* Bytes of a K type's super-block. */
-INLINE int64_t k_bytes(int qtype)
-{
-    return qtype == Q4_K ? 144 : qtype == Q5_K ? 176 : 210;
-}
-
 /* Stored bytes of 32 weights of a type that is not a K type. */
 INLINE int64_t bytes32(int qtype)
 {
-    switch (qtype) {
-    case F32: return 128;
-    case F16: case BF16: return 64;
-    case Q4_0: return 18;
-    case Q4_1: return 20;
-    case Q5_0: return 22;
-    case Q5_1: return 24;
-    default: return 34; /* Q8_0 */
-    }
+    return 32 / block_weights(qtype) * block_bytes(qtype);
 }
 
 /* Weights 32 g .. 32 g + 31 (g < 8) of a K type's super-block, its scales given. */
@@ -278,17 +264,17 @@ INLINE void k_decode32(int qtype, const uint8_t *block, int g, const KScales *k,
 INLINE void decode32(int qtype, const uint8_t *row, int64_t s, const KScales *k, f32x16 w[2])
 {
     switch (qtype) {
-    case F32: memcpy(w, row + 128 * s, 128); break;
-    case F16: f16_32(row + 64 * s, w); break;
-    case BF16: bf16_32(row + 64 * s, w); break;
-    case Q4_0: legacy32(row + 18 * s, 0, 0, w); break;
-    case Q4_1: legacy32(row + 20 * s, 1, 0, w); break;
-    case Q5_0: legacy32(row + 22 * s, 0, 1, w); break;
-    case Q5_1: legacy32(row + 24 * s, 1, 1, w); break;
-    case Q8_0: q8_0_32(row + 34 * s, w); break;
-    case Q4_K: k32(row + 144 * (s / 8), (int)(s % 8), 0, k, w); break;
-    case Q5_K: k32(row + 176 * (s / 8), (int)(s % 8), 1, k, w); break;
-    case Q6_K: q6_k32(row + 210 * (s / 8), (int)(s % 8), k, w); break;
+    case F32: memcpy(w, row + bytes32(F32) * s, 128); break;
+    case F16: f16_32(row + bytes32(F16) * s, w); break;
+    case BF16: bf16_32(row + bytes32(BF16) * s, w); break;
+    case Q4_0: legacy32(row + bytes32(Q4_0) * s, 0, 0, w); break;
+    case Q4_1: legacy32(row + bytes32(Q4_1) * s, 1, 0, w); break;
+    case Q5_0: legacy32(row + bytes32(Q5_0) * s, 0, 1, w); break;
+    case Q5_1: legacy32(row + bytes32(Q5_1) * s, 1, 1, w); break;
+    case Q8_0: q8_0_32(row + bytes32(Q8_0) * s, w); break;
+    case Q4_K: k32(row + block_bytes(Q4_K) * (s / 8), (int)(s % 8), 0, k, w); break;
+    case Q5_K: k32(row + block_bytes(Q5_K) * (s / 8), (int)(s % 8), 1, k, w); break;
+    case Q6_K: q6_k32(row + block_bytes(Q6_K) * (s / 8), (int)(s % 8), k, w); break;
     }
 }
 

@@ -49,11 +49,31 @@ static inline float hsum(__m256 v)
 }
 #endif
 
-/* Bytes of one block of the types block_q8.c reads, or 0 for another type. Inline, so that the kernels
- * specialised per type see a constant stride. */
+/* Weights of one stored block: 1 of a float type, 32 of a legacy GGUF type, 256 of a K type. */
+static inline int64_t block_weights(int qtype)
+{
+    if (qtype == F32 || qtype == F16 || qtype == BF16)
+        return 1;
+    return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K ? QK_K : QK;
+}
+
+/* Bytes of one stored block (block_weights of them), or 0 for a type we do not read. Inline, so that the
+ * kernels specialised per type see constant strides. */
 static inline int64_t block_bytes(int qtype)
 {
-    return qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : 0;
+    switch (qtype) {
+    case F32: return 4;
+    case F16: case BF16: return 2;
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+    }
 }
 
 /* dequant.c: bytes of a row of k weights of this type, or 0 for a type we do not read or a k that is not

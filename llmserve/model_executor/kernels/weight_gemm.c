@@ -197,15 +197,15 @@ INLINE void fused_group(int qtype, const uint8_t *const *w, int64_t ahead, int c
     if (is_k_type(qtype)) /* whole super-blocks: their scales once, then sub-blocks at constant offsets */
         for (int64_t sb = s0 / 8; sb < s1 / 8; sb++) {
             _Pragma("GCC unroll 8") for (int j = 0; j < cols; j++)
-                for (int l = 0; l < k_bytes(qtype); l += 64)
-                    __builtin_prefetch(w[j] + ahead + k_bytes(qtype) * sb + l);
+                for (int l = 0; l < block_bytes(qtype); l += 64)
+                    __builtin_prefetch(w[j] + ahead + block_bytes(qtype) * sb + l);
             KScales ks[NB];
-            _Pragma("GCC unroll 8") for (int j = 0; j < cols; j++) k_scales(qtype, w[j] + k_bytes(qtype) * sb, &ks[j]);
+            _Pragma("GCC unroll 8") for (int j = 0; j < cols; j++) k_scales(qtype, w[j] + block_bytes(qtype) * sb, &ks[j]);
             _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++)
                 _Pragma("GCC unroll 8") for (int j = 0; j < cols; j++)
                 {
                     f32x16 wide[2];
-                    k_decode32(qtype, w[j] + k_bytes(qtype) * sb, g, &ks[j], wide);
+                    k_decode32(qtype, w[j] + block_bytes(qtype) * sb, g, &ks[j], wide);
                     multiply32(wide, x + 32 * (8 * sb + g), ldx, rows, acc, j);
                 }
         }
