@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
-Quantization = Literal["none", "fp16", "int8", "int4"]
+Quantization = Literal["none", "gguf", "fp16", "int8", "int4"]
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,9 @@ class ModelConfig:
     seed: int = 0
     chat_template: str | None = None  # a Jinja template or a path to one; overrides the model's
     max_logprobs: int = 20  # the largest `logprobs` a request may ask for (-1: no limit)
-    # CPU fp32: fp16 weights (fbgemm); int8 / int4 weights in blocks of 32 with scales and activations
-    # rounded to int8 per block of 32 (our C kernels; see quantization.py)
+    # CPU fp32, our C kernels (see quantization.py): gguf keeps a GGUF's blocks and rounds the activations
+    # to int8 per block of 32, as llama.cpp does; int8 / int4 round the weights into blocks of 32 too;
+    # fp16 keeps 2-byte weights
     quantization: Quantization = "none"
     num_threads: int | None = None  # the engine core's compute threads; None: OMP_NUM_THREADS or all cores
     native_kernels: bool = True  # our C kernels (kernels/) on CPU in fp32, where they build; else PyTorch's
@@ -40,8 +41,9 @@ class ModelConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}.")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
-        if self.quantization not in ("none", "fp16", "int8", "int4"):
-            raise ValueError(f"quantization must be none, fp16, int8 or int4, got {self.quantization!r}.")
+        if self.quantization not in get_args(Quantization):
+            choices = ", ".join(get_args(Quantization))
+            raise ValueError(f"quantization must be one of {choices}, got {self.quantization!r}.")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}.")
 

@@ -103,3 +103,43 @@ def test_weight_only_quantization_is_the_same_at_every_batch_size(
         llm.shutdown()
     for a, b in zip(together, alone):
         assert_same_greedy(a.outputs[0], b.outputs[0])
+
+
+@pytest.mark.skipif(native.load_library() is None, reason="no C compiler here")
+def test_gguf_int8_activations_are_the_same_at_every_batch_size(
+    tiny_llama_hf_dir: Path, tmp_path: Path
+) -> None:
+    """`--quantization gguf` keeps a GGUF's Q5_0/Q4_0/Q8_0 blocks as stored: steps of up to 8 rows
+    multiply them with int8 activations, larger ones the same rounded activations through weight_gemm.c."""
+    kinds = [GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0]
+    names = _projection_names(tiny_llama_hf_dir)
+    types = {gguf_name(name): kinds[i % 3] for i, name in enumerate(names)}
+    types["output.weight"] = GGMLQuantizationType.Q8_0
+    path = write_gguf(tmp_path / "mixed.gguf", tiny_llama_hf_dir, types=types)
+    rng = random.Random(13)
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(3, VOCAB_SIZE) for _ in range(10 + 3 * i)]} for i in range(12)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    llm = make_llm(path, quantization="gguf")
+    try:
+        model = core_of(llm).model_runner.model
+        kernels = [layer.mlp.down_proj.kernel for layer in model.layers] + [model.logits_kernel]
+        assert all(isinstance(k, StoredKernel) and k.int8_activations for k in kernels)
+        stored = {part.qtype for linear in model.linears() for part in linear.parts if part is not None}
+        assert stored == {int(kind) for kind in kinds}  # as the file stores them
+        assert model.native_decoder is not None
+        together = llm.generate(prompts, params, use_tqdm=False)  # decode steps of 12 rows
+        alone = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]  # steps of 1 row
+    finally:
+        llm.shutdown()
+    for a, b in zip(together, alone):
+        assert_same_greedy(a.outputs[0], b.outputs[0])
+
+
+def test_gguf_quantization_refuses_float_weights(tiny_llama_hf_dir: Path) -> None:
+    with pytest.raises(
+        Exception,
+        match="quantization='gguf' multiplies GGUF blocks; layers.0.self_attn.qkv_proj is stored as F32",
+    ):
+        make_llm(tiny_llama_hf_dir, quantization="gguf")

@@ -1,5 +1,5 @@
-"""block_q8.c, the few rows of a decode step with int8 activations against Q4_1/Q8_0 blocks, computes the
-rounded x @ W.T for the dequantized W, under every instruction-set build this CPU runs."""
+"""block_q8.c, the few rows of a decode step with int8 activations against GGUF blocks of every type,
+computes the rounded x @ W.T for the dequantized W, under every instruction-set build this CPU runs."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize, quantize
+from gguf.quants import quantize
 
 from llmserve.model_executor.kernels import native
+from llmserve.model_executor.layers.stored_weight import StoredTensor, StoredWeight
+from tests.model_executor.stored_weights import K_TYPES, QUANTIZABLE, random_stored_tensor, reference
 
 round_activations = native.round_rows
 
@@ -21,19 +23,37 @@ def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     return str(request.param)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
-@pytest.mark.parametrize("rows", [1, 5, native.BLOCK_GEMV_MAX_ROWS])
-def test_int8_activations_are_rounded_as_round_activations_rounds_them(qtype: Q, rows: int) -> None:
-    rng = np.random.default_rng(rows + 7)
-    weight = rng.standard_normal((64, 256)).astype(np.float32)
-    blocks = quantize(weight, qtype)
-    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)) * 3
+def stored_weight(
+    parts: list[StoredTensor], bias: torch.Tensor | None = None
+) -> tuple[StoredWeight, torch.Tensor]:
+    """The weight, and gguf's fp32 values of it."""
+    values = torch.cat([torch.from_numpy(reference(p.data.numpy(), Q(p.qtype))) for p in parts])
+    return StoredWeight(parts, bias), values.reshape(-1, parts[0].in_features)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZABLE + K_TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8, native.BLOCK_GEMV_MAX_ROWS])
+def test_int8_activations_times_every_block_type(qtype: Q, rows: int) -> None:
+    weight, values = stored_weight([random_stored_tensor(qtype, 67, 768, seed=rows)])
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)) * 3
     x[0, 32:64] = 0.0  # a block of zeros: scale 0
     rounded = round_activations(x)
     assert not torch.equal(rounded, x)
-    expected = rounded @ torch.from_numpy(dequantize(blocks, qtype)).T
-    actual = native.block_gemv(x, torch.from_numpy(blocks), int(qtype), 64)
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-4)
+    expected = (rounded.double() @ values.double().T).float()
+    actual = native.block_gemv(x, weight.native, 67)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-4 * expected.abs().max().item())
+
+
+def test_block_gemv_reads_each_part_of_a_fused_weight_and_adds_the_bias() -> None:
+    parts = [
+        random_stored_tensor(qtype, rows, 512, seed=i)
+        for i, (qtype, rows) in enumerate([(Q.Q5_0, 40), (Q.Q6_K, 9), (Q.Q8_0, 9)])
+    ]
+    bias = torch.randn(58)
+    weight, values = stored_weight(parts, bias)
+    x = torch.randn(2, 512)
+    expected = round_activations(x) @ values.T + bias
+    torch.testing.assert_close(native.block_gemv(x, weight.native, 58), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_round_activations_keeps_int8_steps_per_block() -> None:
@@ -45,8 +65,14 @@ def test_round_activations_keeps_int8_steps_per_block() -> None:
 
 
 def test_block_gemv_refuses_what_it_cannot_read() -> None:
-    blocks = torch.from_numpy(quantize(np.ones((4, 64), np.float32), Q.Q8_0))
-    with pytest.raises(ValueError, match="block type"):
-        native.block_gemv(torch.ones(native.BLOCK_GEMV_MAX_ROWS + 1, 64), blocks, int(Q.Q8_0), 4)
-    with pytest.raises(ValueError, match="block type"):
-        native.block_gemv(torch.ones(1, 64), blocks, int(Q.Q5_0), 4)
+    blocks = StoredTensor(int(Q.Q8_0), torch.from_numpy(quantize(np.ones((4, 64), np.float32), Q.Q8_0)), 64)
+    with pytest.raises(ValueError, match="block types"):
+        native.block_gemv(
+            torch.ones(native.BLOCK_GEMV_MAX_ROWS + 1, 64), StoredWeight([blocks], None).native, 4
+        )
+    floats = random_stored_tensor(Q.F16, 4, 64)
+    with pytest.raises(ValueError, match="block types"):
+        native.block_gemv(torch.ones(1, 64), StoredWeight([floats], None).native, 4)
+    k_type = random_stored_tensor(Q.Q4_K, 4, 256)
+    with pytest.raises(ValueError, match="block types"):  # rows of 256 read as rows of 64
+        native.block_gemv(torch.ones(1, 64), StoredWeight([k_type], None).native, 4)

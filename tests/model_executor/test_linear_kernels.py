@@ -10,9 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.model_executor.cpu_threads import core_thread_count
-from llmserve.model_executor.layers.linear import Linear, OneDNNKernel, StoredKernel
-from llmserve.model_executor.layers.stored_weight import StoredTensor
+from llmserve.model_executor.kernels import native
+from llmserve.model_executor.layers.linear import BLOCK_ROWS, Linear, OneDNNKernel, StoredKernel
+from llmserve.model_executor.layers.stored_weight import StoredTensor, StoredWeight
 from llmserve.model_executor.quantization import requantize
+from tests.model_executor.stored_weights import Q, random_stored_tensor
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
@@ -47,7 +49,7 @@ def test_stored_floats_keep_their_bytes(dtype: torch.dtype, rows: int) -> None:
 
 def test_fp16_quantization_is_f_linear_on_fp16_rounded_weights() -> None:
     weight = torch.randn(96, 64)
-    [part] = requantize([StoredTensor.from_dense(weight)], "fp16")
+    [part] = requantize([StoredTensor.from_dense(weight)], "fp16", "w")
     layer = Linear(64, 96, False, stored=True)
     layer.parts[0] = part
     layer.prepare()
@@ -58,7 +60,24 @@ def test_fp16_quantization_is_f_linear_on_fp16_rounded_weights() -> None:
 
 def test_int8_and_int4_need_whole_blocks() -> None:
     with pytest.raises(ValueError, match="32k"):
-        requantize([StoredTensor.from_dense(torch.randn(4, 48))], "int8")
+        requantize([StoredTensor.from_dense(torch.randn(4, 48))], "int8", "w")
+
+
+def test_gguf_keeps_the_blocks_and_refuses_floats() -> None:
+    blocks = random_stored_tensor(Q.Q4_K, 8, 256)
+    assert requantize([blocks], "gguf", "w") == [blocks]
+    with pytest.raises(ValueError, match="layers.0.mlp.down_proj is stored as F16"):
+        requantize([blocks, random_stored_tensor(Q.F16, 8, 256)], "gguf", "layers.0.mlp.down_proj")
+
+
+@pytest.mark.parametrize("rows", [1, BLOCK_ROWS, BLOCK_ROWS + 1])
+def test_int8_activations_multiply_the_rounded_rows_at_every_batch_size(rows: int) -> None:
+    parts = [random_stored_tensor(Q.Q6_K, 40, 512), random_stored_tensor(Q.Q5_0, 24, 512, seed=1)]
+    kernel = StoredKernel(StoredWeight(parts, None), int8_activations=True)
+    values = torch.cat([p.dequantize() for p in parts])
+    x = torch.randn(rows, 512)
+    expected = (native.round_rows(x).double() @ values.double().T).float()
+    torch.testing.assert_close(kernel(x), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_core_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:

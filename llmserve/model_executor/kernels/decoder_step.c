@@ -7,7 +7,7 @@
  * residual, per layer, then the final RMSNorm.
  *
  * Every projection multiplies its weight in the stored format (weight_gemm.c). With int8 activations
- * (`--quantization int8|int4`) steps of up to `block_rows` rows multiply the blocks as integers
+ * (`--quantization gguf|int8|int4`) steps of up to `block_rows` rows multiply the blocks as integers
  * (block_q8.c) instead, split between the threads by output features; larger ones round their
  * activations the same way before weight_gemm.c.
  *
@@ -96,16 +96,6 @@ static void feed(const DecoderSpec *s, Step *t, const float *x, int64_t in)
         if (t->read_blocks)
             prepare_input(&t->input, t->q, t->sums, t->sums + t->rows * in / QK);
     }
-}
-
-/* Row o of W, which block_q8.c reads: its blocks, and their type in *qtype. */
-static const uint8_t *block_row(const Weight *w, int64_t o, int64_t in, int *qtype)
-{
-    int64_t p = 0;
-    while (o >= w->parts[p].rows)
-        o -= w->parts[p++].rows;
-    *qtype = (int)w->parts[p].qtype;
-    return w->parts[p].data + o * row_bytes(*qtype, in);
 }
 
 /* y[r, o] (+)= x[r] . W[o] + bias[o], y: [rows, out], for this thread's share of the outputs; `accumulate` adds into y. */

@@ -102,7 +102,7 @@ typedef struct {
 void weight_gemm_share(const float *x, int64_t m, int64_t k, const Weight *w, float *y, int accumulate);
 
 /* Rows x [rows, in] as block_q8.c reads them: rounded to int8 per block (q [rows, in]), with each block's
- * scale and scale * sum(q) (the Q4_1 minimum's term), [rows, in / 32] each. */
+ * scale and scale * sum(q) (for the weights' minimums and centres), [rows, in / 32] each. */
 typedef struct {
     const float *x, *sums;
     const int8_t *q;
@@ -120,8 +120,14 @@ void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *q, float *s
  * of more rows than the blocks take: out [rows, in]. */
 void round_rows(const float *x, int64_t rows, int64_t in, float *out);
 
-/* acc[r] = x[r] . w for one output row w of in / 32 Q4_1 or Q8_0 blocks, rows <= BLOCK_GEMV_MAX_ROWS. */
+/* Whether block_q8.c reads this type: the GGUF block types. */
+int is_block_type(int qtype);
+
+/* acc[r] = x[r] . w for one output row w of a block type, in->rows <= BLOCK_GEMV_MAX_ROWS. */
 void q8_dot_rows(const BlockInput *in, const uint8_t *w, int qtype, float *acc);
+
+/* Row o of W, rows of `in` weights: its stored bytes, and their type in *qtype. */
+const uint8_t *block_row(const Weight *w, int64_t o, int64_t in, int *qtype);
 
 /* One sequence's query heads that share KV head `head_stride / (num_blocks * block_size * head_dim)`:
  * q, out [group, head_dim]; scores: scratch of group * len floats. */

@@ -9,7 +9,7 @@ one machine. Without a compiler the callers keep the PyTorch path.
 - `dequant.c`: rows of a weight in its stored format (GGUF blocks, fp16, bf16) widened to fp32.
 - `weight_gemm.c`: fp32 rows times a weight in its stored format, at any number of rows.
 - `paged_attention.c`: decode attention reading the paged KV cache in place.
-- `block_q8.c`: a few rows rounded to int8 times Q4_1/Q8_0 blocks, as integers (`--quantization int8|int4`).
+- `block_q8.c`: a few rows rounded to int8 times GGUF blocks, as integers (`--quantization gguf|int8|int4`).
 - `decoder_step.c`: a decode step through every decoder layer, from those.
 """
 
@@ -91,9 +91,10 @@ def _load(isa: str) -> ctypes.CDLL | None:
     logger.info("Native kernels: %s build.", isa)
     library.paged_decode_attention.argtypes = [_PTR] * 6 + [_I64] * 7 + [ctypes.c_float, ctypes.c_int]
     library.paged_decode_attention.restype = ctypes.c_int
-    library.block_gemv.argtypes = [_PTR, _I64, _I64, _PTR, _I64, ctypes.c_int, _PTR, ctypes.c_int]
+    library.block_gemv.argtypes = [_PTR, _I64, _I64, ctypes.POINTER(Weight), _I64, _PTR, ctypes.c_int]
     library.block_gemv.restype = ctypes.c_int
     library.round_rows.argtypes = [_PTR, _I64, _I64, _PTR]
+    library.is_block_type.argtypes = [ctypes.c_int]
     library.row_bytes.argtypes = [ctypes.c_int, _I64]
     library.row_bytes.restype = _I64
     library.dequantize_rows.argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _I64, _PTR, ctypes.c_int]
@@ -167,26 +168,31 @@ def paged_decode_attention(
 BLOCK_GEMV_MAX_ROWS = 16
 
 
-def block_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int) -> torch.Tensor:
-    """x [rows <= 16, in] fp32, rounded to int8 per block of 32, @ W.T, W [out_features, in] held as Q4_1 or
-    Q8_0 blocks [out_features, row_bytes] (block_q8.c: what decode steps with int8 activations compute)."""
+def block_gemv(x: torch.Tensor, weight: Weight, out_features: int) -> torch.Tensor:
+    """x [rows <= 16, in] fp32, rounded to int8 per block of 32, @ W.T (+ bias), W [out_features, in] in
+    GGUF blocks (block_q8.c: what decode steps with int8 activations compute)."""
     x = x.contiguous()
     y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     status = _library().block_gemv(
         x.data_ptr(),
         x.shape[0],
         x.shape[1],
-        blocks.data_ptr(),
+        ctypes.byref(weight),
         out_features,
-        qtype,
         y.data_ptr(),
         torch.get_num_threads(),
     )
     if status != 0:
+        types = sorted({weight.parts[i].qtype for i in range(weight.num_parts)})
         raise ValueError(
-            f"block_gemv cannot take x {tuple(x.shape)} with block type {qtype} (status {status})."
+            f"block_gemv cannot take x {tuple(x.shape)} with block types {types} (status {status})."
         )
     return y
+
+
+def is_block_type(qtype: int) -> bool:
+    """Whether block_gemv multiplies weights of this GGML type: the GGUF block types."""
+    return bool(_library().is_block_type(qtype))
 
 
 def round_rows(x: torch.Tensor) -> torch.Tensor:

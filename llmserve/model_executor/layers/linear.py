@@ -2,8 +2,8 @@
 
 - Stored (CPU, fp32 activations, our C kernels built): the weight stays as the checkpoint stores it
   (`stored_weight.py`) and `kernels/weight_gemm.c` multiplies it in that format at every batch size.
-  `--quantization int8|int4` round the weights into Q8_0/Q4_1 blocks at load (`quantization.py`) and the
-  activations to int8 per block of 32, as llama.cpp does; `fp16` keeps 2-byte weights.
+  `--quantization gguf` rounds the activations to int8 per block of 32, as llama.cpp does, and `int8|int4`
+  round the weights into Q8_0/Q4_1 blocks at load too (`quantization.py`); `fp16` keeps 2-byte weights.
 - Dense otherwise (GPUs, bf16/fp16 compute, no C compiler): `F.linear`, through oneDNN with the weight
   pre-packed on the CPU, which PyTorch's default path (MKL sgemm) trails for the short, wide products of
   decoding.
@@ -79,12 +79,16 @@ class OneDNNKernel:
 
 
 class StoredKernel:
-    """With `int8_activations`, the inputs are rounded per block of 32 first (`kernels/block_q8.c`'s
-    rounding), so that every batch size multiplies the values the decode step's int8 products do."""
+    """With `int8_activations`, up to BLOCK_ROWS rows multiply the blocks as integers (`kernels/block_q8.c`)
+    and more are rounded the same way first, so that every batch size multiplies the same values."""
 
     def __init__(self, weight: StoredWeight, int8_activations: bool = False) -> None:
         self.weight = weight
         self.int8_activations = int8_activations
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight(native.round_rows(x) if self.int8_activations else x)
+        if not self.int8_activations:
+            return self.weight(x)
+        if x.dim() == 2 and x.shape[0] <= BLOCK_ROWS:
+            return native.block_gemv(x, self.weight.native, self.weight.out_features)
+        return self.weight(native.round_rows(x))

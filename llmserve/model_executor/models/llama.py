@@ -151,10 +151,13 @@ class LlamaForCausalLM(nn.Module):
     def prepare_kernels(self, quantization: Quantization = "none") -> None:
         """Choose every projection's kernel, the output one included (see `layers/linear.py`); with stored
         weights, round them first as `quantization` asks (see `quantization.py`)."""
-        int8_activations = quantization in ("int8", "int4")
-        for linear in self.linears():
+        int8_activations = quantization in ("gguf", "int8", "int4")
+        for name, linear in self.named_modules():
+            if not isinstance(linear, Linear):
+                continue
             if linear.stored and quantization != "none":
-                linear.parts = list(requantize([p for p in linear.parts if p is not None], quantization))
+                parts = [p for p in linear.parts if p is not None]
+                linear.parts = list(requantize(parts, quantization, name))
             linear.prepare(int8_activations)
         if self.lm_head is not None:
             self.logits_kernel = self.lm_head.kernel
@@ -162,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
             head = self.embed_tokens.table
             assert head is not None, "load the weights first"
             if quantization != "none":  # as a GGUF's quantized tied embedding would be
-                head = self.embed_tokens.table = requantize([head], quantization)[0]
+                head = self.embed_tokens.table = requantize([head], quantization, "embed_tokens")[0]
             self.logits_kernel = StoredKernel(StoredWeight([head], None), int8_activations)
         else:
             self.logits_kernel = dense_kernel(self.embed_tokens.weight, None)

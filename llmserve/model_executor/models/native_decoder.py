@@ -45,7 +45,7 @@ class NativeDecoder:
             spec.gate_up = _weight(layer.mlp.gate_up_proj)
             spec.down = _weight(layer.mlp.down_proj)
         kernels = _kernels(model)
-        int8_activations = any(k.int8_activations for k in kernels)  # then all are Q4_1/Q8_0 blocks
+        int8_activations = any(k.int8_activations for k in kernels)  # then all are GGUF blocks
         self.spec = native.DecoderSpec(
             num_layers=c.num_hidden_layers,
             hidden=c.hidden_size,
