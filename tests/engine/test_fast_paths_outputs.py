@@ -85,11 +85,11 @@ def _projection_names(hf_dir: Path) -> list[str]:
 def test_weight_only_quantization_is_the_same_at_every_batch_size(
     tiny_llama_hf_dir: Path, quantization: str
 ) -> None:
-    """Steps of up to 8 rows multiply the blocks with int8 activations, larger ones the same rounded
+    """Steps of up to 16 rows multiply the blocks with int8 activations, larger ones the same rounded
     activations through weight_gemm.c."""
     rng = random.Random(11)
     prompts = [
-        {"prompt_token_ids": [rng.randrange(3, VOCAB_SIZE) for _ in range(10 + 3 * i)]} for i in range(12)
+        {"prompt_token_ids": [rng.randrange(3, VOCAB_SIZE) for _ in range(10 + 3 * i)]} for i in range(20)
     ]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
     llm = make_llm(tiny_llama_hf_dir, quantization=quantization)
@@ -97,7 +97,7 @@ def test_weight_only_quantization_is_the_same_at_every_batch_size(
         model = core_of(llm).model_runner.model
         kernels = [layer.self_attn.qkv_proj.kernel for layer in model.layers]
         assert all(isinstance(k, StoredKernel) and k.int8_activations for k in kernels)
-        together = llm.generate(prompts, params, use_tqdm=False)  # decode steps of 12 rows
+        together = llm.generate(prompts, params, use_tqdm=False)  # decode steps of 20 rows
         alone = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]  # steps of 1 row
     finally:
         llm.shutdown()
@@ -109,7 +109,7 @@ def test_weight_only_quantization_is_the_same_at_every_batch_size(
 def test_gguf_int8_activations_are_the_same_at_every_batch_size(
     tiny_llama_hf_dir: Path, tmp_path: Path
 ) -> None:
-    """`--quantization gguf` keeps a GGUF's Q5_0/Q4_0/Q8_0 blocks as stored: steps of up to 8 rows
+    """`--quantization gguf` keeps a GGUF's Q5_0/Q4_0/Q8_0 blocks as stored: steps of up to 16 rows
     multiply them with int8 activations, larger ones the same rounded activations through weight_gemm.c."""
     kinds = [GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0]
     names = _projection_names(tiny_llama_hf_dir)
@@ -118,7 +118,7 @@ def test_gguf_int8_activations_are_the_same_at_every_batch_size(
     path = write_gguf(tmp_path / "mixed.gguf", tiny_llama_hf_dir, types=types)
     rng = random.Random(13)
     prompts = [
-        {"prompt_token_ids": [rng.randrange(3, VOCAB_SIZE) for _ in range(10 + 3 * i)]} for i in range(12)
+        {"prompt_token_ids": [rng.randrange(3, VOCAB_SIZE) for _ in range(10 + 3 * i)]} for i in range(20)
     ]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
     llm = make_llm(path, quantization="gguf")
@@ -129,7 +129,7 @@ def test_gguf_int8_activations_are_the_same_at_every_batch_size(
         stored = {part.qtype for linear in model.linears() for part in linear.parts if part is not None}
         assert stored == {int(kind) for kind in kinds}  # as the file stores them
         assert model.native_decoder is not None
-        together = llm.generate(prompts, params, use_tqdm=False)  # decode steps of 12 rows
+        together = llm.generate(prompts, params, use_tqdm=False)  # decode steps of 20 rows
         alone = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]  # steps of 1 row
     finally:
         llm.shutdown()

@@ -108,13 +108,14 @@ def decode_metadata(lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
     [
         (1, False, "Q4_1", "none"),  # weight_gemm.c, widening in registers
         (3, True, "Q8_0", "none"),
-        (BLOCK_ROWS, False, "Q4_1", "none"),
+        (8, False, "Q4_1", "none"),
         (1, False, "F32", "int4"),  # int8 activations: integer products (block_q8.c)
         (5, True, "F32", "int8"),
-        (BLOCK_ROWS + 3, True, "Q8_0", "none"),  # weight_gemm.c's tiles
-        (BLOCK_ROWS + 12, False, "F32", "int4"),  # rounded activations into weight_gemm.c
+        (BLOCK_ROWS, True, "F32", "int8"),
+        (11, True, "Q8_0", "none"),  # weight_gemm.c's tiles
+        (BLOCK_ROWS + 5, False, "F32", "int4"),  # rounded activations into weight_gemm.c
         (1, True, "mixed", "none"),  # K types, parts of different types
-        (BLOCK_ROWS + 1, False, "mixed", "none"),
+        (9, False, "mixed", "none"),
         (2, False, "F16", "none"),
         (4, True, "BF16", "none"),
     ],
@@ -145,10 +146,18 @@ def test_native_decoder_matches_the_torch_layers(
         plain = model(ids, positions, plain_caches, meta)
         model.native_decoder = fused
 
-    torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-4)
-    for (k, v), (pk, pv) in zip(caches, plain_caches):
-        torch.testing.assert_close(k, pk, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(v, pv, rtol=1e-5, atol=1e-5)
+    if quantization == "none":
+        torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-4)
+        for (k, v), (pk, pv) in zip(caches, plain_caches):
+            torch.testing.assert_close(k, pk, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v, pv, rtol=1e-5, atol=1e-5)
+    else:  # the paths sum in other orders, and now and then an activation rounds to the next int8 step
+        pairs = [(fast, plain)] + [
+            pair for (k, v), (pk, pv) in zip(caches, plain_caches) for pair in ((k, pk), (v, pv))
+        ]
+        for a, b in pairs:
+            error = (a - b).flatten(0, -2).norm(dim=-1) / b.flatten(0, -2).norm(dim=-1)
+            assert error.median() < 1e-5 and error.max() < 5e-2
 
 
 def test_steps_with_a_prefill_keep_the_torch_path() -> None:
