@@ -189,7 +189,7 @@ def ours(args: argparse.Namespace, levels: list[Workload]) -> tuple[str, list[Re
         model = args.model or discover_model(url)
         return model, run_levels("llmserve", url, model, levels)
     port, model = free_port(), args.model or DEFAULT_MODEL
-    return model, serve("llmserve", llmserve_command(model, port, args.dtype), port, levels)
+    return model, serve("llmserve", llmserve_command(model, port, args.dtype, args.quantization), port, levels)
 
 
 def peers(args: argparse.Namespace, model: str, levels: list[Workload]) -> list[list[Report]]:
@@ -238,6 +238,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--base-url", default=None, help="a running server (default: start llmserve)")
     parser.add_argument("--model", default=None, help="to serve, or the server's first /models")
     parser.add_argument("--dtype", default="auto", help="for the server this starts")
+    parser.add_argument("--quantization", default="none", help="for the server this starts")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--requests-per-stream", type=int, default=4)
     parser.add_argument("--num-prompts", type=int, default=None, help="per level, instead of the above")

@@ -93,7 +93,12 @@ Runner = Callable[[argparse.Namespace, list[Workload]], list[float] | str]
 def run_llmserve(args: argparse.Namespace, works: list[Workload]) -> list[float]:
     from llmserve import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=max(len(w.prompts) for w in works))
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        max_num_seqs=max(len(w.prompts) for w in works),
+    )
     llm.generate(
         TokensPrompt(prompt_token_ids=works[0].prompts[0][:8]), SamplingParams(max_tokens=2), use_tqdm=False
     )
@@ -256,6 +261,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-input", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="none", help="ours (the peers run as they do)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=[*PEERS, "none"])
     parser.add_argument("--hf-batch-size", type=int, default=64)
