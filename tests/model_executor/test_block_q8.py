@@ -44,6 +44,22 @@ def test_int8_activations_times_every_block_type(qtype: Q, rows: int) -> None:
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-4 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("qtype", QUANTIZABLE + K_TYPES)
+@pytest.mark.parametrize("rows", [1, 17, 64, 300])
+def test_int8_gemm_times_every_block_type(isa: str, qtype: Q, rows: int) -> None:
+    """Many rows (int8_gemm.c): the same rounded product, on AVX-512 VNNI; elsewhere no product (None)."""
+    weight, values = stored_weight([random_stored_tensor(qtype, 67, 768, seed=rows)], torch.randn(67))
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)) * 3
+    actual = native.int8_gemm(x, weight.native, 67)
+    if isa != "avx512" or "avx512_vnni" not in native.cpu_flags():
+        assert actual is None
+        return
+    assert weight.bias is not None
+    expected = (round_activations(x).double() @ values.double().T).float() + weight.bias
+    assert actual is not None
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-4 * expected.abs().max().item())
+
+
 def test_block_gemv_reads_each_part_of_a_fused_weight_and_adds_the_bias() -> None:
     parts = [
         random_stored_tensor(qtype, rows, 512, seed=i)

@@ -126,6 +126,9 @@ int is_block_type(int qtype);
 /* acc[r] = x[r] . w for one output row w of a block type, in->rows <= BLOCK_GEMV_MAX_ROWS. */
 void q8_dot_rows(const BlockInput *in, const uint8_t *w, int qtype, float *acc);
 
+/* Whether every part of W, rows of `in` weights, is in blocks the integer products read. */
+int reads_blocks(const Weight *w, int64_t in);
+
 /* Row o of W, rows of `in` weights: its stored bytes, and their type in *qtype. */
 const uint8_t *block_row(const Weight *w, int64_t o, int64_t in, int *qtype);
 

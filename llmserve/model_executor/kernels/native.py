@@ -10,6 +10,7 @@ one machine. Without a compiler the callers keep the PyTorch path.
 - `weight_gemm.c`: fp32 rows times a weight in its stored format, at any number of rows.
 - `paged_attention.c`: decode attention reading the paged KV cache in place.
 - `block_q8.c`: a few rows rounded to int8 times GGUF blocks, as integers (`--quantization gguf|int8|int4`).
+- `int8_gemm.c`: the same for many rows, with AVX-512 VNNI.
 - `decoder_step.c`: a decode step through every decoder layer, from those.
 """
 
@@ -93,6 +94,8 @@ def _load(isa: str) -> ctypes.CDLL | None:
     library.paged_decode_attention.restype = ctypes.c_int
     library.block_gemv.argtypes = [_PTR, _I64, _I64, ctypes.POINTER(Weight), _I64, _PTR, ctypes.c_int]
     library.block_gemv.restype = ctypes.c_int
+    library.int8_gemm.argtypes = [_PTR, _I64, _I64, ctypes.POINTER(Weight), _I64, _PTR, ctypes.c_int]
+    library.int8_gemm.restype = ctypes.c_int
     library.round_rows.argtypes = [_PTR, _I64, _I64, _PTR]
     library.is_block_type.argtypes = [ctypes.c_int]
     library.row_bytes.argtypes = [ctypes.c_int, _I64]
@@ -188,6 +191,26 @@ def block_gemv(x: torch.Tensor, weight: Weight, out_features: int) -> torch.Tens
             f"block_gemv cannot take x {tuple(x.shape)} with block types {types} (status {status})."
         )
     return y
+
+
+def int8_gemm(x: torch.Tensor, weight: Weight, out_features: int) -> torch.Tensor | None:
+    """x [rows, in] fp32, rounded to int8 per block of 32 as block_gemv rounds it, @ W.T (+ bias), W in
+    GGUF blocks, for many rows (int8_gemm.c); None where this CPU (no AVX-512 VNNI) or W has no such
+    product."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    status = _library().int8_gemm(
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        ctypes.byref(weight),
+        out_features,
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status == -2:
+        raise MemoryError("int8_gemm could not allocate its buffers.")
+    return y if status == 0 else None
 
 
 def is_block_type(qtype: int) -> bool:

@@ -80,8 +80,9 @@ class OneDNNKernel:
 
 
 class StoredKernel:
-    """With `int8_activations`, up to BLOCK_ROWS rows multiply the blocks as integers (`kernels/block_q8.c`)
-    and more are rounded the same way first, so that every batch size multiplies the same values."""
+    """With `int8_activations`, up to BLOCK_ROWS rows multiply the blocks as integers (`kernels/block_q8.c`),
+    more too where the CPU has AVX-512 VNNI (`int8_gemm.c`), else they are rounded the same way first:
+    every batch size multiplies the same values."""
 
     def __init__(self, weight: StoredWeight, int8_activations: bool = False) -> None:
         self.weight = weight
@@ -92,4 +93,5 @@ class StoredKernel:
             return self.weight(x)
         if x.dim() == 2 and x.shape[0] <= BLOCK_ROWS:
             return native.block_gemv(x, self.weight.native, self.weight.out_features)
-        return self.weight(native.round_rows(x))
+        y = native.int8_gemm(x, self.weight.native, self.weight.out_features) if x.dim() == 2 else None
+        return self.weight(native.round_rows(x)) if y is None else y

@@ -1,0 +1,178 @@
+/* y = x @ W.T (+ bias) for many rows of x (a prefill, a large batch) rounded to int8 per block of 32, as
+ * block_q8.c rounds them, against a weight's GGUF blocks, on CPUs with AVX-512 VNNI.
+ *
+ * Each thread unpacks a panel of NP output rows once into unsigned bytes, four consecutive weights of
+ * one output per 32-bit lane (pack_panel), with one scale and one offset per 16 weights; then every MR
+ * rows of x meet the panel in VNNI multiply-adds: one instruction takes 4 weights x 16 outputs against
+ * 4 broadcast int8 activations, 64 products where an fp32 multiply-add takes 16. The int32 sums of each
+ * 16 weights are scaled into fp32 accumulators, and the offsets (a type's centre or minimum) meet x's
+ * sums per 16. Elsewhere int8_gemm returns -1 and the caller rounds x (round_rows) for weight_gemm.c:
+ * the same values, summed in another order.
+ */
+#pragma GCC optimize("fp-contract=off") /* dequant.h's scales; the products' FMAs are explicit */
+
+#include <omp.h>
+#include <stdlib.h>
+
+#include "block_chunks.h"
+
+#if defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define NP 32 /* output rows per panel: two vectors of 16 */
+#define MR 4  /* rows of x per pass over the panel */
+
+typedef struct {
+    uint8_t *values;         /* [in / 4][NP][4]: weights as unsigned bytes (the type's centre added) */
+    float *scales, *offsets; /* [in / 16][NP] */
+} Panel;
+
+/* Row j of the panel from a weight row of `qtype` (a constant after inlining). */
+INLINE void pack_row(int qtype, const uint8_t *row, int64_t chunks, int j, Panel *p)
+{
+    /* Q8_0's int8 and Q6_K's q - 32 made unsigned: + 128, + 32, taken back in the offset */
+    const float centre = qtype == Q8_0 ? -128.0f : qtype == Q6_K ? -32.0f : 0.0f;
+    KScales k;
+    for (int64_t s = 0; s < chunks; s++) {
+        if (is_k_type(qtype) && s % 8 == 0)
+            k_scales(qtype, row + block_bytes(qtype) * (s / 8), &k);
+        const Chunk c = chunk_scales(qtype, row, s, &k);
+        __m256i v = chunk_values(qtype, row, s);
+        if (qtype == Q8_0)
+            v = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
+        else if (qtype == Q6_K)
+            v = _mm256_add_epi8(v, _mm256_set1_epi8(32));
+        uint32_t words[8];
+        _mm256_storeu_si256((__m256i *)words, v);
+        for (int g = 0; g < 8; g++)
+            memcpy(p->values + ((s * 8 + g) * NP + j) * 4, &words[g], 4);
+        for (int h = 0; h < 2; h++) {
+            p->scales[(2 * s + h) * NP + j] = c.scale[h];
+            p->offsets[(2 * s + h) * NP + j] = centre != 0.0f ? centre * c.scale[h] : c.offset;
+        }
+    }
+}
+
+#define PACK_CASE(T) \
+    case T: pack_row(T, row, chunks, j, p); break;
+
+/* Rows o0 .. o0 + NP - 1 of W, zeros past `out`. */
+static void pack_panel(const Weight *w, int64_t in, int64_t o0, int64_t out, Panel *p)
+{
+    const int64_t chunks = in / QK;
+    for (int j = 0; j < NP; j++) {
+        if (o0 + j >= out) {
+            for (int64_t u = 0; u < in / 16; u++)
+                p->scales[u * NP + j] = p->offsets[u * NP + j] = 0.0f;
+            continue;
+        }
+        int qtype;
+        const uint8_t *row = block_row(w, o0 + j, in, &qtype);
+        switch (qtype) {
+            PACK_CASE(Q4_0) PACK_CASE(Q4_1) PACK_CASE(Q5_0) PACK_CASE(Q5_1) PACK_CASE(Q8_0) PACK_CASE(Q4_K)
+            PACK_CASE(Q5_K) PACK_CASE(Q6_K)
+        }
+    }
+}
+
+/* y[r, j] = x[r] . W[o0 + j] (+ bias) for MR rows of x (q, with their scales per 32 and sums per 16)
+ * and the panel's NP outputs; only `rows` x `cols` of them are stored. */
+__attribute__((target("avx512vnni"))) static void panel_product(const Panel *p, const int8_t *q,
+                                                                const float *x_scales, const float *x_sums,
+                                                                int64_t in, float *y, int64_t y_stride,
+                                                                int64_t rows, int64_t cols, const float *bias)
+{
+    __m512 acc[MR][2];
+    for (int r = 0; r < MR; r++)
+        acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < in / 16; u++) {
+        __m512i dot[MR][2];
+        for (int r = 0; r < MR; r++)
+            dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+        for (int g = 0; g < 4; g++) {
+            const uint8_t *values = p->values + (u * 4 + g) * NP * 4;
+            const __m512i w0 = _mm512_loadu_si512((const void *)values);
+            const __m512i w1 = _mm512_loadu_si512((const void *)(values + 64));
+            for (int r = 0; r < MR; r++) {
+                int32_t four;
+                memcpy(&four, q + r * in + u * 16 + g * 4, 4);
+                const __m512i x = _mm512_set1_epi32(four);
+                dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], w0, x);
+                dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], w1, x);
+            }
+        }
+        const __m512 scales[2] = {_mm512_loadu_ps(p->scales + u * NP), _mm512_loadu_ps(p->scales + u * NP + 16)};
+        const __m512 offsets[2] = {_mm512_loadu_ps(p->offsets + u * NP), _mm512_loadu_ps(p->offsets + u * NP + 16)};
+        for (int r = 0; r < MR; r++) {
+            const __m512 x_scale = _mm512_set1_ps(x_scales[r * (in / QK) + u / 2]);
+            const __m512 x_sum = _mm512_set1_ps(x_sums[r * (in / 16) + u]);
+            for (int h = 0; h < 2; h++) {
+                const __m512 scale = _mm512_mul_ps(scales[h], x_scale);
+                acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][h]), scale, acc[r][h]);
+                acc[r][h] = _mm512_fmadd_ps(offsets[h], x_sum, acc[r][h]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float out[NP];
+        _mm512_storeu_ps(out, acc[r][0]);
+        _mm512_storeu_ps(out + 16, acc[r][1]);
+        for (int64_t j = 0; j < cols; j++)
+            y[r * y_stride + j] = out[j] + (bias ? bias[j] : 0.0f);
+    }
+}
+#endif
+
+/* x: [rows, in] fp32, rounded here; W: [out, in] in GGUF blocks; y: [rows, out]. Returns 0, -1 where
+ * this CPU or this weight has no such product, -2 when out of memory. */
+int int8_gemm(const float *x, int64_t rows, int64_t in, const Weight *w, int64_t out, float *y, int num_threads)
+{
+#if defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+    if (!__builtin_cpu_supports("avx512vnni") || rows < 1 || in % QK != 0 || !reads_blocks(w, in))
+        return -1;
+    const int64_t padded = (rows + MR - 1) / MR * MR, chunks = in / QK, units = in / 16;
+    int8_t *q = calloc((size_t)(padded * in), 1);
+    float *x_scales = calloc((size_t)(padded * chunks * 2), sizeof(float)); /* then the sums per 32 */
+    float *x_sums = calloc((size_t)(padded * units), sizeof(float));
+    int status = q && x_scales && x_sums ? 0 : -2;
+    if (status == 0) {
+        quantize_rows(x, rows, in, q, x_scales, x_scales + padded * chunks);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t u = 0; u < units; u++) {
+                int sum = 0;
+                for (int i = 0; i < 16; i++)
+                    sum += q[r * in + u * 16 + i];
+                x_sums[r * units + u] = x_scales[r * chunks + u / 2] * (float)sum;
+            }
+#pragma omp parallel num_threads(num_threads)
+        {
+            Panel p = {aligned_alloc(64, (size_t)(in * NP)), malloc(sizeof(float) * units * NP),
+                       malloc(sizeof(float) * units * NP)};
+            if (!p.values || !p.scales || !p.offsets) {
+#pragma omp atomic write
+                status = -2;
+            }
+#pragma omp barrier
+            if (status == 0) {
+#pragma omp for schedule(dynamic, 1)
+                for (int64_t o0 = 0; o0 < out; o0 += NP) {
+                    pack_panel(w, in, o0, out, &p);
+                    const int64_t cols = out - o0 < NP ? out - o0 : NP;
+                    for (int64_t r0 = 0; r0 < rows; r0 += MR)
+                        panel_product(&p, q + r0 * in, x_scales + r0 * chunks, x_sums + r0 * units, in,
+                                      y + r0 * out + o0, out, rows - r0 < MR ? rows - r0 : MR, cols,
+                                      w->bias ? w->bias + o0 : NULL);
+                }
+            }
+            free(p.values);
+            free(p.scales);
+            free(p.offsets);
+        }
+    }
+    free(q);
+    free(x_scales);
+    free(x_sums);
+    return status;
+#else
+    (void)x, (void)rows, (void)in, (void)w, (void)out, (void)y, (void)num_threads;
+    return -1;
+#endif
+}
