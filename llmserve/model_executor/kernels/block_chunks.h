@@ -77,7 +77,7 @@ INLINE __m256i chunk_values(int qtype, const uint8_t *row, int64_t s)
 
 #else
 /* The chunk's 32 values v. */
-static void chunk_values(int qtype, const uint8_t *row, int64_t s, int8_t v[32])
+INLINE void chunk_values(int qtype, const uint8_t *row, int64_t s, int8_t v[32])
 {
     if (!is_k_type(qtype)) {
         const uint8_t *block = row + bytes32(qtype) * s;

@@ -8,8 +8,8 @@
  *
  * Every projection multiplies its weight in the stored format (weight_gemm.c). With int8 activations
  * (`--quantization gguf|int8|int4`) steps of up to `block_rows` rows multiply the blocks as integers
- * (block_q8.c) instead, split between the threads by output features; larger ones round their
- * activations the same way before weight_gemm.c.
+ * (block_q8.c) instead, split between the threads by output features; larger ones too where the CPU
+ * has AVX-512 VNNI (int8_gemm.c), else they round their activations the same way before weight_gemm.c.
  *
  * It computes what the PyTorch path computes (same weights, same fp32 arithmetic, rotate-half RoPE from
  * the same tables), only summing in another order.
@@ -69,7 +69,8 @@ static void rope(float *x, int64_t heads, int64_t head_dim, const float *cos, co
 typedef struct {
     const int64_t *positions, *slots, *block_tables, *seq_lens; /* see decoder_step */
     int64_t rows, max_blocks, max_len;
-    int read_blocks;  /* this step's projections go through block_q8.c, else weight_gemm.c */
+    int read_blocks;  /* this step's projections go through block_q8.c */
+    int int8_gemm;    /* else through int8_gemm.c, else weight_gemm.c */
     float *normed;    /* [rows, max(hidden, q_size)]: the normed residual, then the attention output */
     float *wide;      /* [rows, max(qkv width, intermediate)]: the QKV, then the MLP's hidden */
     float *gate_up;   /* [rows, 2 intermediate] from weight_gemm.c */
@@ -77,12 +78,24 @@ typedef struct {
     float *sums;      /* its int8 scales, then scale * sum(q) per block */
     int8_t *q;        /* its int8 rounding */
     float *rounded;   /* the same rounding in fp32, for weight_gemm.c */
+    Int8Rows gemm_in; /* or for int8_gemm.c, over q, sums and scales */
+    float *gemm_scales;
+    uint8_t *scratch; /* [threads, int8_scratch_bytes(widest)] */
+    int64_t scratch_bytes;
     float *scores;    /* [threads, group, max_len] */
 } Step;
 
 /* Point the step's input at x [rows, in], as the next projection reads it; by every thread. */
 static void feed(const DecoderSpec *s, Step *t, const float *x, int64_t in)
 {
+    if (t->int8_gemm) {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < t->rows; r++)
+            int8_rows(x + r * in, 1, in, t->q + r * in, t->gemm_scales + r * (in / QK), t->sums + r * (in / 16));
+#pragma omp single
+        t->gemm_in = (Int8Rows){t->q, t->gemm_scales, t->sums, t->rows, in};
+        return;
+    }
     if (!t->read_blocks && s->int8_activations) {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < t->rows; r++)
@@ -98,12 +111,22 @@ static void feed(const DecoderSpec *s, Step *t, const float *x, int64_t in)
     }
 }
 
+/* y [rows, out] (+)= the step's input @ W.T (+ bias) through int8_gemm.c or weight_gemm.c, for this
+ * thread's share; every thread waits for the whole product. */
+static void product_share(const Weight *p, const Step *t, int64_t out, float *y, int accumulate)
+{
+    if (t->int8_gemm)
+        int8_gemm_share(&t->gemm_in, p, out, y, accumulate, t->scratch + omp_get_thread_num() * t->scratch_bytes);
+    else
+        weight_gemm_share(t->input.x, t->rows, t->input.in, p, y, accumulate);
+#pragma omp barrier
+}
+
 /* y[r, o] (+)= x[r] . W[o] + bias[o], y: [rows, out], for this thread's share of the outputs; `accumulate` adds into y. */
 static void project(const Weight *p, const Step *t, int64_t out, float *y, int accumulate)
 {
     if (!t->read_blocks) {
-        weight_gemm_share(t->input.x, t->rows, t->input.in, p, y, accumulate);
-#pragma omp barrier
+        product_share(p, t, out, y, accumulate);
         return;
     }
     const BlockInput *x = &t->input;
@@ -131,8 +154,7 @@ static inline float silu(float x)
 static void gate_up_silu(const Weight *p, const Step *t, int64_t inter, float *h)
 {
     if (!t->read_blocks) {
-        weight_gemm_share(t->input.x, t->rows, t->input.in, p, t->gate_up, 0);
-#pragma omp barrier
+        product_share(p, t, 2 * inter, t->gate_up, 0);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < t->rows; r++)
             for (int64_t o = 0; o < inter; o++)
@@ -236,6 +258,7 @@ int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const
     const int64_t widest = max64(narrow, wide);
     Step t = {.positions = positions, .slots = slots, .block_tables = block_tables, .seq_lens = seq_lens,
               .rows = rows, .max_blocks = max_blocks, .max_len = 1, .read_blocks = read_blocks,
+              .int8_gemm = s->int8_activations && !read_blocks && int8_gemm_available(),
               .input = {.rows = rows}};
     for (int64_t r = 0; r < rows; r++)
         t.max_len = max64(t.max_len, seq_lens[r]);
@@ -249,8 +272,19 @@ int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const
         ready = ready && t.sums && t.q;
     } else {
         t.gate_up = malloc(sizeof(float) * rows * 2 * s->intermediate);
-        t.rounded = s->int8_activations ? malloc(sizeof(float) * rows * widest) : NULL;
-        ready = ready && t.gate_up && (t.rounded || !s->int8_activations);
+        ready = ready && t.gate_up;
+    }
+    if (t.int8_gemm) {
+        const int64_t padded = (rows + INT8_GEMM_ROWS - 1) / INT8_GEMM_ROWS * INT8_GEMM_ROWS;
+        t.q = calloc((size_t)(padded * widest), 1);
+        t.gemm_scales = calloc((size_t)(padded * widest / QK), sizeof(float));
+        t.sums = calloc((size_t)(padded * widest / 16), sizeof(float));
+        t.scratch_bytes = int8_scratch_bytes(widest);
+        t.scratch = aligned_alloc(64, (size_t)(num_threads * t.scratch_bytes));
+        ready = ready && t.q && t.gemm_scales && t.sums && t.scratch;
+    } else if (!read_blocks && s->int8_activations) {
+        t.rounded = malloc(sizeof(float) * rows * widest);
+        ready = ready && t.rounded;
     }
     if (ready) {
 #pragma omp parallel num_threads(num_threads)
@@ -265,5 +299,7 @@ int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const
     free(t.q);
     free(t.gate_up);
     free(t.rounded);
+    free(t.gemm_scales);
+    free(t.scratch);
     return ready ? 0 : -2;
 }

@@ -17,8 +17,9 @@
 #include "block_chunks.h"
 
 #if defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define NP 32 /* output rows per panel: two vectors of 16 */
-#define MR 4  /* rows of x per pass over the panel */
+#define VNNI_BUILD 1
+#define NP 32             /* output rows per panel: two vectors of 16 (int8_scratch_bytes) */
+#define MR INT8_GEMM_ROWS /* rows of x per pass over the panel */
 
 typedef struct {
     uint8_t *values;         /* [in / 4][NP][4]: weights as unsigned bytes (the type's centre added) */
@@ -73,12 +74,13 @@ static void pack_panel(const Weight *w, int64_t in, int64_t o0, int64_t out, Pan
     }
 }
 
-/* y[r, j] = x[r] . W[o0 + j] (+ bias) for MR rows of x (q, with their scales per 32 and sums per 16)
- * and the panel's NP outputs; only `rows` x `cols` of them are stored. */
+/* y[r, j] (+)= x[r] . W[o0 + j] (+ bias) for MR rows of x (q, with their scales per 32 and sums per 16)
+ * and the panel's NP outputs; only `rows` x `cols` of them are stored, added to y with `accumulate`. */
 __attribute__((target("avx512vnni"))) static void panel_product(const Panel *p, const int8_t *q,
                                                                 const float *x_scales, const float *x_sums,
                                                                 int64_t in, float *y, int64_t y_stride,
-                                                                int64_t rows, int64_t cols, const float *bias)
+                                                                int64_t rows, int64_t cols, const float *bias,
+                                                                int accumulate)
 {
     __m512 acc[MR][2];
     for (int r = 0; r < MR; r++)
@@ -116,63 +118,78 @@ __attribute__((target("avx512vnni"))) static void panel_product(const Panel *p, 
         _mm512_storeu_ps(out, acc[r][0]);
         _mm512_storeu_ps(out + 16, acc[r][1]);
         for (int64_t j = 0; j < cols; j++)
-            y[r * y_stride + j] = out[j] + (bias ? bias[j] : 0.0f);
+            y[r * y_stride + j] = (accumulate ? y[r * y_stride + j] : 0.0f) + out[j] + (bias ? bias[j] : 0.0f);
     }
 }
 #endif
+
+int int8_gemm_available(void)
+{
+#ifdef VNNI_BUILD
+    return __builtin_cpu_supports("avx512vnni");
+#else
+    return 0;
+#endif
+}
+
+int64_t int8_scratch_bytes(int64_t in)
+{
+    const int64_t bytes = in * 32 + (int64_t)sizeof(float) * 2 * (in / 16) * 32; /* a Panel's */
+    return (bytes + 63) / 64 * 64; /* each thread's on a cache line of its own */
+}
+
+void int8_rows(const float *x, int64_t rows, int64_t in, int8_t *q, float *scales, float *sums)
+{
+    quantize_rows(x, rows, in, q, scales, sums); /* its sums per 32, overwritten below */
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t u = 0; u < in / 16; u++) {
+            int sum = 0;
+            for (int i = 0; i < 16; i++)
+                sum += q[r * in + u * 16 + i];
+            sums[r * (in / 16) + u] = scales[r * (in / QK) + u / 2] * (float)sum;
+        }
+}
+
+void int8_gemm_share(const Int8Rows *x, const Weight *w, int64_t out, float *y, int accumulate, uint8_t *scratch)
+{
+#ifdef VNNI_BUILD
+    const int64_t in = x->in, units = in / 16;
+    Panel p = {scratch, (float *)(scratch + in * NP), (float *)(scratch + in * NP) + units * NP};
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t o0 = 0; o0 < out; o0 += NP) {
+        pack_panel(w, in, o0, out, &p);
+        const int64_t cols = out - o0 < NP ? out - o0 : NP;
+        for (int64_t r0 = 0; r0 < x->rows; r0 += MR)
+            panel_product(&p, x->q + r0 * in, x->scales + r0 * (in / QK), x->sums + r0 * units, in,
+                          y + r0 * out + o0, out, x->rows - r0 < MR ? x->rows - r0 : MR, cols,
+                          w->bias ? w->bias + o0 : NULL, accumulate);
+    }
+#else
+    (void)x, (void)w, (void)out, (void)y, (void)accumulate, (void)scratch;
+#endif
+}
 
 /* x: [rows, in] fp32, rounded here; W: [out, in] in GGUF blocks; y: [rows, out]. Returns 0, -1 where
  * this CPU or this weight has no such product, -2 when out of memory. */
 int int8_gemm(const float *x, int64_t rows, int64_t in, const Weight *w, int64_t out, float *y, int num_threads)
 {
-#if defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-    if (!__builtin_cpu_supports("avx512vnni") || rows < 1 || in % QK != 0 || !reads_blocks(w, in))
+    if (!int8_gemm_available() || rows < 1 || in % QK != 0 || !reads_blocks(w, in))
         return -1;
-    const int64_t padded = (rows + MR - 1) / MR * MR, chunks = in / QK, units = in / 16;
+    const int64_t padded = (rows + INT8_GEMM_ROWS - 1) / INT8_GEMM_ROWS * INT8_GEMM_ROWS;
     int8_t *q = calloc((size_t)(padded * in), 1);
-    float *x_scales = calloc((size_t)(padded * chunks * 2), sizeof(float)); /* then the sums per 32 */
-    float *x_sums = calloc((size_t)(padded * units), sizeof(float));
-    int status = q && x_scales && x_sums ? 0 : -2;
+    float *scales = calloc((size_t)(padded * in / QK), sizeof(float));
+    float *sums = calloc((size_t)(padded * in / 16), sizeof(float));
+    uint8_t *scratch = aligned_alloc(64, (size_t)(num_threads * int8_scratch_bytes(in)));
+    const int status = q && scales && sums && scratch ? 0 : -2;
     if (status == 0) {
-        quantize_rows(x, rows, in, q, x_scales, x_scales + padded * chunks);
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t u = 0; u < units; u++) {
-                int sum = 0;
-                for (int i = 0; i < 16; i++)
-                    sum += q[r * in + u * 16 + i];
-                x_sums[r * units + u] = x_scales[r * chunks + u / 2] * (float)sum;
-            }
+        int8_rows(x, rows, in, q, scales, sums);
+        const Int8Rows rounded = {q, scales, sums, rows, in};
 #pragma omp parallel num_threads(num_threads)
-        {
-            Panel p = {aligned_alloc(64, (size_t)(in * NP)), malloc(sizeof(float) * units * NP),
-                       malloc(sizeof(float) * units * NP)};
-            if (!p.values || !p.scales || !p.offsets) {
-#pragma omp atomic write
-                status = -2;
-            }
-#pragma omp barrier
-            if (status == 0) {
-#pragma omp for schedule(dynamic, 1)
-                for (int64_t o0 = 0; o0 < out; o0 += NP) {
-                    pack_panel(w, in, o0, out, &p);
-                    const int64_t cols = out - o0 < NP ? out - o0 : NP;
-                    for (int64_t r0 = 0; r0 < rows; r0 += MR)
-                        panel_product(&p, q + r0 * in, x_scales + r0 * chunks, x_sums + r0 * units, in,
-                                      y + r0 * out + o0, out, rows - r0 < MR ? rows - r0 : MR, cols,
-                                      w->bias ? w->bias + o0 : NULL);
-                }
-            }
-            free(p.values);
-            free(p.scales);
-            free(p.offsets);
-        }
+        int8_gemm_share(&rounded, w, out, y, 0, scratch + omp_get_thread_num() * int8_scratch_bytes(in));
     }
     free(q);
-    free(x_scales);
-    free(x_sums);
+    free(scales);
+    free(sums);
+    free(scratch);
     return status;
-#else
-    (void)x, (void)rows, (void)in, (void)w, (void)out, (void)y, (void)num_threads;
-    return -1;
-#endif
 }

@@ -132,6 +132,29 @@ int reads_blocks(const Weight *w, int64_t in);
 /* Row o of W, rows of `in` weights: its stored bytes, and their type in *qtype. */
 const uint8_t *block_row(const Weight *w, int64_t o, int64_t in, int *qtype);
 
+/* int8_gemm.c: rows of x rounded as block_q8.c rounds them, for the products of many rows: q [rows, in],
+ * scales per 32 [rows, in / 32] and scale * sum(q) per 16 [rows, in / 16], with room (and zeros, or any
+ * finite values) for rows up to a multiple of INT8_GEMM_ROWS. */
+#define INT8_GEMM_ROWS 4
+typedef struct {
+    const int8_t *q;
+    const float *scales, *sums;
+    int64_t rows, in;
+} Int8Rows;
+
+/* Whether this build and CPU have int8_gemm.c's products (AVX-512 VNNI). */
+int int8_gemm_available(void);
+
+/* Rounds x [rows, in] into q, scales and sums as Int8Rows holds them. */
+void int8_rows(const float *x, int64_t rows, int64_t in, int8_t *q, float *scales, float *sums);
+
+/* Bytes of one thread's scratch for int8_gemm_share with rows of `in` weights. */
+int64_t int8_scratch_bytes(int64_t in);
+
+/* y [rows, out] (+)= x @ W.T + bias, W in GGUF blocks (reads_blocks), for this thread's share of W's
+ * rows: called by every thread of a parallel region, each with its own scratch. */
+void int8_gemm_share(const Int8Rows *x, const Weight *w, int64_t out, float *y, int accumulate, uint8_t *scratch);
+
 /* One sequence's query heads that share KV head `head_stride / (num_blocks * block_size * head_dim)`:
  * q, out [group, head_dim]; scores: scratch of group * len floats. */
 void attend_one(const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t len,
