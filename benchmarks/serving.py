@@ -189,7 +189,8 @@ def ours(args: argparse.Namespace, levels: list[Workload]) -> tuple[str, list[Re
         model = args.model or discover_model(url)
         return model, run_levels("llmserve", url, model, levels)
     port, model = free_port(), args.model or DEFAULT_MODEL
-    return model, serve("llmserve", llmserve_command(model, port, args.dtype, args.quantization), port, levels)
+    command = llmserve_command(model, port, args.dtype, args.quantization)
+    return model, serve("llmserve", command, port, levels)
 
 
 def peers(args: argparse.Namespace, model: str, levels: list[Workload]) -> list[list[Report]]:
