@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve import LLM, SamplingParams
+from llmserve import LLM
 from tests.e2e.conftest import PROMPTS
+from tests.e2e.logprob_drift import prompt_logprob_drifts
 
 # Measured on SmolLM2-135M (whose GGUF weights are Q4_1 already): mean and largest |Δ logprob| of the
 # prompt tokens against fp32: fp16 0.0013 / 0.010, gguf 0.044 / 0.34 (the activations rounded to int8 per
@@ -17,20 +18,9 @@ BOUNDS = {"fp16": (0.01, 0.05), "gguf": (0.08, 0.7), "int8": (0.1, 1.0), "int4":
 
 @pytest.mark.parametrize("quantization", ["fp16", "gguf", "int8", "int4"])
 def test_quantized_weights_drift_little_from_fp32(llm: LLM, quantization: str) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     quantized = LLM(quantization=quantization, kv_cache_memory=128 << 20, multiprocess=False)
     try:
-        pairs = zip(
-            llm.generate(PROMPTS, params, use_tqdm=False), quantized.generate(PROMPTS, params, use_tqdm=False)
-        )
-        drifts: list[float] = []
-        for full, rounded in pairs:
-            assert full.prompt_logprobs is not None and rounded.prompt_logprobs is not None
-            for token, a, b in zip(
-                full.prompt_token_ids[1:], full.prompt_logprobs[1:], rounded.prompt_logprobs[1:]
-            ):
-                assert a is not None and b is not None
-                drifts.append(abs(a[token].logprob - b[token].logprob))
+        drifts = prompt_logprob_drifts(llm, quantized, PROMPTS)
     finally:
         quantized.shutdown()
     mean, largest = sum(drifts) / len(drifts), max(drifts)

@@ -17,6 +17,7 @@ import torch
 from llmserve import LLM, RequestOutput, SamplingParams
 from llmserve.model_executor.kernels import native
 from tests.e2e.greedy_reference import Reference, assert_top_logprobs_match, compare_greedy, hf_greedy
+from tests.e2e.logprob_drift import prompt_logprob_drifts
 from tests.entrypoints.remote_server import RemoteServer
 
 PROMPTS = [
@@ -156,25 +157,11 @@ def resident_bytes(pid: int) -> int:
 def test_int8_activations_drift_little_from_fp32(qwen_llm: LLM) -> None:
     """`--quantization gguf`: the same blocks (no weight is rounded again), activations rounded to int8 per
     block of 32. Measured: mean |Δ logprob| of the prompt tokens 0.019, largest 0.11."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     gguf = LLM(model="qwen2.5-coder-0.5b-instruct", quantization="gguf", kv_cache_memory=KV_POOL)
     try:
-        pairs = list(
-            zip(
-                qwen_llm.generate(PROMPTS, params, use_tqdm=False),
-                gguf.generate(PROMPTS, params, use_tqdm=False),
-            )
-        )
+        drifts = prompt_logprob_drifts(qwen_llm, gguf, PROMPTS)
     finally:
         gguf.shutdown()
-    drifts = []
-    for full, rounded in pairs:
-        assert full.prompt_logprobs is not None and rounded.prompt_logprobs is not None
-        for token, a, b in zip(
-            full.prompt_token_ids[1:], full.prompt_logprobs[1:], rounded.prompt_logprobs[1:]
-        ):
-            assert a is not None and b is not None
-            drifts.append(abs(a[token].logprob - b[token].logprob))
     mean, largest = sum(drifts) / len(drifts), max(drifts)
     print(f"gguf on Qwen: mean |d logprob| {mean:.4f}, largest {largest:.4f}")
     assert 0 < mean < 0.04

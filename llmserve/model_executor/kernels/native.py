@@ -174,17 +174,7 @@ BLOCK_GEMV_MAX_ROWS = 16
 def block_gemv(x: torch.Tensor, weight: Weight, out_features: int) -> torch.Tensor:
     """x [rows <= 16, in] fp32, rounded to int8 per block of 32, @ W.T (+ bias), W [out_features, in] in
     GGUF blocks (block_q8.c: what decode steps with int8 activations compute)."""
-    x = x.contiguous()
-    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    status = _library().block_gemv(
-        x.data_ptr(),
-        x.shape[0],
-        x.shape[1],
-        ctypes.byref(weight),
-        out_features,
-        y.data_ptr(),
-        torch.get_num_threads(),
-    )
+    status, y = _int8_product("block_gemv", x, weight, out_features)
     if status != 0:
         types = sorted({weight.parts[i].qtype for i in range(weight.num_parts)})
         raise ValueError(
@@ -197,20 +187,24 @@ def int8_gemm(x: torch.Tensor, weight: Weight, out_features: int) -> torch.Tenso
     """x [rows, in] fp32, rounded to int8 per block of 32 as block_gemv rounds it, @ W.T (+ bias), W in
     GGUF blocks, for many rows (int8_gemm.c); None where this CPU (no AVX-512 VNNI) or W has no such
     product."""
-    x = x.contiguous()
-    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    status = _library().int8_gemm(
-        x.data_ptr(),
-        x.shape[0],
-        x.shape[1],
-        ctypes.byref(weight),
-        out_features,
-        y.data_ptr(),
-        torch.get_num_threads(),
-    )
+    status, y = _int8_product("int8_gemm", x, weight, out_features)
     if status == -2:
         raise MemoryError("int8_gemm could not allocate its buffers.")
     return y if status == 0 else None
+
+
+def _int8_product(
+    kernel: str, x: torch.Tensor, weight: Weight, out_features: int
+) -> tuple[int, torch.Tensor]:
+    """The C kernel `kernel`'s status and y for x [rows, in] @ W.T."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    function = getattr(_library(), kernel)
+    threads = torch.get_num_threads()
+    status = function(
+        x.data_ptr(), x.shape[0], x.shape[1], ctypes.byref(weight), out_features, y.data_ptr(), threads
+    )
+    return int(status), y
 
 
 def is_block_type(qtype: int) -> bool:
