@@ -60,16 +60,23 @@ def test_int8_gemm_times_every_block_type(isa: str, qtype: Q, rows: int) -> None
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-4 * expected.abs().max().item())
 
 
-def test_block_gemv_reads_each_part_of_a_fused_weight_and_adds_the_bias() -> None:
+@pytest.mark.parametrize("rows", [2, 40])
+def test_each_part_of_a_fused_weight_is_read_and_the_bias_added(rows: int) -> None:
+    """Parts of three types: int8_gemm.c's first panel of 32 outputs is all Q5_0 (a scale per 32), its
+    second mixes Q5_0, Q6_K and Q8_0 rows (a scale per 16)."""
     parts = [
-        random_stored_tensor(qtype, rows, 512, seed=i)
-        for i, (qtype, rows) in enumerate([(Q.Q5_0, 40), (Q.Q6_K, 9), (Q.Q8_0, 9)])
+        random_stored_tensor(qtype, n, 512, seed=i)
+        for i, (qtype, n) in enumerate([(Q.Q5_0, 40), (Q.Q6_K, 9), (Q.Q8_0, 9)])
     ]
     bias = torch.randn(58)
     weight, values = stored_weight(parts, bias)
-    x = torch.randn(2, 512)
+    x = torch.randn(rows, 512)
     expected = round_activations(x) @ values.T + bias
-    torch.testing.assert_close(native.block_gemv(x, weight.native, 58), expected, rtol=1e-5, atol=1e-4)
+    if rows <= native.BLOCK_GEMV_MAX_ROWS:
+        torch.testing.assert_close(native.block_gemv(x, weight.native, 58), expected, rtol=1e-5, atol=1e-4)
+    many = native.int8_gemm(x, weight.native, 58)
+    if many is not None:
+        torch.testing.assert_close(many, expected, rtol=1e-5, atol=1e-4)
 
 
 def test_round_activations_keeps_int8_steps_per_block() -> None:

@@ -5,8 +5,8 @@
  * one output per 32-bit lane (pack_panel), with one scale and one offset per 16 weights; then every MR
  * rows of x meet the panel in VNNI multiply-adds: one instruction takes 4 weights x 16 outputs against
  * 4 broadcast int8 activations, 64 products where an fp32 multiply-add takes 16. The int32 sums of each
- * 16 weights are scaled into fp32 accumulators, and the offsets (a type's centre or minimum) meet x's
- * sums per 16. Elsewhere int8_gemm returns -1 and the caller rounds x (round_rows) for weight_gemm.c:
+ * 32 weights (16 in panels with a Q6_K row) are scaled into fp32 accumulators, and the offsets (a
+ * type's centre or minimum) meet x's sums over the same weights. Elsewhere int8_gemm returns -1 and the caller rounds x (round_rows) for weight_gemm.c:
  * the same values, summed in another order.
  */
 #pragma GCC optimize("fp-contract=off") /* dequant.h's scales; the products' FMAs are explicit */
@@ -23,7 +23,8 @@
 
 typedef struct {
     uint8_t *values;         /* [in / 4][NP][4]: weights as unsigned bytes (the type's centre added) */
-    float *scales, *offsets; /* [in / 16][NP] */
+    float *scales, *offsets; /* [in / unit][NP] */
+    int unit;                /* weights per scale: 32, or 16 where a row is Q6_K */
 } Panel;
 
 /* Row j of the panel from a weight row of `qtype` (a constant after inlining). */
@@ -45,9 +46,10 @@ INLINE void pack_row(int qtype, const uint8_t *row, int64_t chunks, int j, Panel
         _mm256_storeu_si256((__m256i *)words, v);
         for (int g = 0; g < 8; g++)
             memcpy(p->values + ((s * 8 + g) * NP + j) * 4, &words[g], 4);
-        for (int h = 0; h < 2; h++) {
-            p->scales[(2 * s + h) * NP + j] = c.scale[h];
-            p->offsets[(2 * s + h) * NP + j] = centre != 0.0f ? centre * c.scale[h] : c.offset;
+        const int per_chunk = QK / p->unit;
+        for (int h = 0; h < per_chunk; h++) {
+            p->scales[(per_chunk * s + h) * NP + j] = c.scale[h];
+            p->offsets[(per_chunk * s + h) * NP + j] = centre != 0.0f ? centre * c.scale[h] : c.offset;
         }
     }
 }
@@ -59,9 +61,16 @@ INLINE void pack_row(int qtype, const uint8_t *row, int64_t chunks, int j, Panel
 static void pack_panel(const Weight *w, int64_t in, int64_t o0, int64_t out, Panel *p)
 {
     const int64_t chunks = in / QK;
+    p->unit = QK;
+    for (int j = 0; j < NP && o0 + j < out; j++) {
+        int qtype;
+        block_row(w, o0 + j, in, &qtype);
+        if (qtype == Q6_K)
+            p->unit = 16;
+    }
     for (int j = 0; j < NP; j++) {
         if (o0 + j >= out) {
-            for (int64_t u = 0; u < in / 16; u++)
+            for (int64_t u = 0; u < in / p->unit; u++)
                 p->scales[u * NP + j] = p->offsets[u * NP + j] = 0.0f;
             continue;
         }
@@ -74,9 +83,10 @@ static void pack_panel(const Weight *w, int64_t in, int64_t o0, int64_t out, Pan
     }
 }
 
-/* y[r, j] (+)= x[r] . W[o0 + j] (+ bias) for MR rows of x (q, with their scales per 32 and sums per 16)
- * and the panel's NP outputs; only `rows` x `cols` of them are stored, added to y with `accumulate`. */
-__attribute__((target("avx512vnni"))) static void panel_product(const Panel *p, const int8_t *q,
+/* y[r, j] (+)= x[r] . W[o0 + j] (+ bias) for MR rows of x (q, with their scales per 32 and sums per
+ * U) and the panel's NP outputs, U = the panel's unit (a constant after inlining); only `rows` x `cols`
+ * of them are stored, added to y with `accumulate`. */
+__attribute__((target("avx512vnni"))) INLINE void panel_product(const Panel *p, int U, const int8_t *q,
                                                                 const float *x_scales, const float *x_sums,
                                                                 int64_t in, float *y, int64_t y_stride,
                                                                 int64_t rows, int64_t cols, const float *bias,
@@ -85,17 +95,17 @@ __attribute__((target("avx512vnni"))) static void panel_product(const Panel *p, 
     __m512 acc[MR][2];
     for (int r = 0; r < MR; r++)
         acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t u = 0; u < in / 16; u++) {
+    for (int64_t u = 0; u < in / U; u++) {
         __m512i dot[MR][2];
         for (int r = 0; r < MR; r++)
             dot[r][0] = dot[r][1] = _mm512_setzero_si512();
-        for (int g = 0; g < 4; g++) {
-            const uint8_t *values = p->values + (u * 4 + g) * NP * 4;
+        for (int g = 0; g < U / 4; g++) {
+            const uint8_t *values = p->values + (u * (U / 4) + g) * NP * 4;
             const __m512i w0 = _mm512_loadu_si512((const void *)values);
             const __m512i w1 = _mm512_loadu_si512((const void *)(values + 64));
             for (int r = 0; r < MR; r++) {
                 int32_t four;
-                memcpy(&four, q + r * in + u * 16 + g * 4, 4);
+                memcpy(&four, q + r * in + u * U + g * 4, 4);
                 const __m512i x = _mm512_set1_epi32(four);
                 dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], w0, x);
                 dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], w1, x);
@@ -104,8 +114,8 @@ __attribute__((target("avx512vnni"))) static void panel_product(const Panel *p, 
         const __m512 scales[2] = {_mm512_loadu_ps(p->scales + u * NP), _mm512_loadu_ps(p->scales + u * NP + 16)};
         const __m512 offsets[2] = {_mm512_loadu_ps(p->offsets + u * NP), _mm512_loadu_ps(p->offsets + u * NP + 16)};
         for (int r = 0; r < MR; r++) {
-            const __m512 x_scale = _mm512_set1_ps(x_scales[r * (in / QK) + u / 2]);
-            const __m512 x_sum = _mm512_set1_ps(x_sums[r * (in / 16) + u]);
+            const __m512 x_scale = _mm512_set1_ps(x_scales[r * (in / QK) + u * U / QK]);
+            const __m512 x_sum = _mm512_set1_ps(x_sums[r * (in / U) + u]);
             for (int h = 0; h < 2; h++) {
                 const __m512 scale = _mm512_mul_ps(scales[h], x_scale);
                 acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][h]), scale, acc[r][h]);
@@ -138,31 +148,41 @@ int64_t int8_scratch_bytes(int64_t in)
     return (bytes + 63) / 64 * 64; /* each thread's on a cache line of its own */
 }
 
-void int8_rows(const float *x, int64_t rows, int64_t in, int8_t *q, float *scales, float *sums)
+void int8_rows(const float *x, int64_t rows, int64_t in, int8_t *q, float *scales, float *sums16, float *sums32)
 {
-    quantize_rows(x, rows, in, q, scales, sums); /* its sums per 32, overwritten below */
+    quantize_rows(x, rows, in, q, scales, sums32);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t u = 0; u < in / 16; u++) {
             int sum = 0;
             for (int i = 0; i < 16; i++)
                 sum += q[r * in + u * 16 + i];
-            sums[r * (in / 16) + u] = scales[r * (in / QK) + u / 2] * (float)sum;
+            sums16[r * (in / 16) + u] = scales[r * (in / QK) + u / 2] * (float)sum;
         }
 }
 
+#ifdef VNNI_BUILD
+__attribute__((target("avx512vnni"))) /* called where int8_gemm_available() */
+#endif
 void int8_gemm_share(const Int8Rows *x, const Weight *w, int64_t out, float *y, int accumulate, uint8_t *scratch)
 {
 #ifdef VNNI_BUILD
     const int64_t in = x->in, units = in / 16;
-    Panel p = {scratch, (float *)(scratch + in * NP), (float *)(scratch + in * NP) + units * NP};
+    Panel p = {scratch, (float *)(scratch + in * NP), (float *)(scratch + in * NP) + units * NP, QK};
 #pragma omp for schedule(dynamic, 1)
     for (int64_t o0 = 0; o0 < out; o0 += NP) {
         pack_panel(w, in, o0, out, &p);
         const int64_t cols = out - o0 < NP ? out - o0 : NP;
-        for (int64_t r0 = 0; r0 < x->rows; r0 += MR)
-            panel_product(&p, x->q + r0 * in, x->scales + r0 * (in / QK), x->sums + r0 * units, in,
-                          y + r0 * out + o0, out, x->rows - r0 < MR ? x->rows - r0 : MR, cols,
-                          w->bias ? w->bias + o0 : NULL, accumulate);
+        for (int64_t r0 = 0; r0 < x->rows; r0 += MR) {
+            const int8_t *q = x->q + r0 * in;
+            const float *scales = x->scales + r0 * (in / QK), *bias = w->bias ? w->bias + o0 : NULL;
+            const int64_t rows = x->rows - r0 < MR ? x->rows - r0 : MR;
+            if (p.unit == 16)
+                panel_product(&p, 16, q, scales, x->sums16 + r0 * units, in, y + r0 * out + o0, out, rows, cols, bias,
+                              accumulate);
+            else
+                panel_product(&p, QK, q, scales, x->sums32 + r0 * (in / QK), in, y + r0 * out + o0, out, rows, cols,
+                              bias, accumulate);
+        }
     }
 #else
     (void)x, (void)w, (void)out, (void)y, (void)accumulate, (void)scratch;
@@ -178,12 +198,13 @@ int int8_gemm(const float *x, int64_t rows, int64_t in, const Weight *w, int64_t
     const int64_t padded = (rows + INT8_GEMM_ROWS - 1) / INT8_GEMM_ROWS * INT8_GEMM_ROWS;
     int8_t *q = calloc((size_t)(padded * in), 1);
     float *scales = calloc((size_t)(padded * in / QK), sizeof(float));
-    float *sums = calloc((size_t)(padded * in / 16), sizeof(float));
+    float *sums = calloc((size_t)(padded * in / 16 + padded * in / QK), sizeof(float)); /* per 16, per 32 */
     uint8_t *scratch = aligned_alloc(64, (size_t)(num_threads * int8_scratch_bytes(in)));
     const int status = q && scales && sums && scratch ? 0 : -2;
     if (status == 0) {
-        int8_rows(x, rows, in, q, scales, sums);
-        const Int8Rows rounded = {q, scales, sums, rows, in};
+        float *sums32 = sums + padded * in / 16;
+        int8_rows(x, rows, in, q, scales, sums, sums32);
+        const Int8Rows rounded = {q, scales, sums, sums32, rows, in};
 #pragma omp parallel num_threads(num_threads)
         int8_gemm_share(&rounded, w, out, y, 0, scratch + omp_get_thread_num() * int8_scratch_bytes(in));
     }

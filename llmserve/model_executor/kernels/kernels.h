@@ -133,12 +133,12 @@ int reads_blocks(const Weight *w, int64_t in);
 const uint8_t *block_row(const Weight *w, int64_t o, int64_t in, int *qtype);
 
 /* int8_gemm.c: rows of x rounded as block_q8.c rounds them, for the products of many rows: q [rows, in],
- * scales per 32 [rows, in / 32] and scale * sum(q) per 16 [rows, in / 16], with room (and zeros, or any
- * finite values) for rows up to a multiple of INT8_GEMM_ROWS. */
+ * scales per 32 [rows, in / 32] and scale * sum(q) per 16 [rows, in / 16] and per 32, with room (and
+ * zeros, or any finite values) for rows up to a multiple of INT8_GEMM_ROWS. */
 #define INT8_GEMM_ROWS 4
 typedef struct {
     const int8_t *q;
-    const float *scales, *sums;
+    const float *scales, *sums16, *sums32;
     int64_t rows, in;
 } Int8Rows;
 
@@ -146,7 +146,7 @@ typedef struct {
 int int8_gemm_available(void);
 
 /* Rounds x [rows, in] into q, scales and sums as Int8Rows holds them. */
-void int8_rows(const float *x, int64_t rows, int64_t in, int8_t *q, float *scales, float *sums);
+void int8_rows(const float *x, int64_t rows, int64_t in, int8_t *q, float *scales, float *sums16, float *sums32);
 
 /* Bytes of one thread's scratch for int8_gemm_share with rows of `in` weights. */
 int64_t int8_scratch_bytes(int64_t in);
