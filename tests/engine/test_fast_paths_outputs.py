@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType
 
-from llmserve import RequestOutput, SamplingParams
+from llmserve import LLM, RequestOutput, SamplingParams
 from llmserve.model_executor.kernels import native
 from llmserve.model_executor.layers.linear import StoredKernel
 from tests.engine.greedy_compare import assert_same_greedy
@@ -85,43 +85,26 @@ def _projection_names(hf_dir: Path) -> list[str]:
 def test_weight_only_quantization_is_the_same_at_every_batch_size(
     tiny_llama_hf_dir: Path, quantization: str
 ) -> None:
-    """Steps of up to 16 rows multiply the blocks with int8 activations, larger ones the same rounded
-    activations through weight_gemm.c."""
-    rng = random.Random(11)
-    prompts = [
-        {"prompt_token_ids": [rng.randrange(3, VOCAB_SIZE) for _ in range(10 + 3 * i)]} for i in range(20)
-    ]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
     llm = make_llm(tiny_llama_hf_dir, quantization=quantization)
     try:
         model = core_of(llm).model_runner.model
         kernels = [layer.self_attn.qkv_proj.kernel for layer in model.layers]
         assert all(isinstance(k, StoredKernel) and k.int8_activations for k in kernels)
-        together = llm.generate(prompts, params, use_tqdm=False)  # decode steps of 20 rows
-        alone = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]  # steps of 1 row
+        assert_same_together_and_alone(llm, seed=11)
     finally:
         llm.shutdown()
-    for a, b in zip(together, alone):
-        assert_same_greedy(a.outputs[0], b.outputs[0])
 
 
 @pytest.mark.skipif(native.load_library() is None, reason="no C compiler here")
 def test_gguf_int8_activations_are_the_same_at_every_batch_size(
     tiny_llama_hf_dir: Path, tmp_path: Path
 ) -> None:
-    """`--quantization gguf` keeps a GGUF's Q5_0/Q4_0/Q8_0 blocks as stored: steps of up to 16 rows
-    multiply them with int8 activations, larger ones the same rounded activations through weight_gemm.c."""
+    """`--quantization gguf` keeps a GGUF's Q5_0/Q4_0/Q8_0 blocks as stored."""
     kinds = [GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0]
     names = _projection_names(tiny_llama_hf_dir)
     types = {gguf_name(name): kinds[i % 3] for i, name in enumerate(names)}
     types["output.weight"] = GGMLQuantizationType.Q8_0
-    path = write_gguf(tmp_path / "mixed.gguf", tiny_llama_hf_dir, types=types)
-    rng = random.Random(13)
-    prompts = [
-        {"prompt_token_ids": [rng.randrange(3, VOCAB_SIZE) for _ in range(10 + 3 * i)]} for i in range(20)
-    ]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
-    llm = make_llm(path, quantization="gguf")
+    llm = make_llm(write_gguf(tmp_path / "mixed.gguf", tiny_llama_hf_dir, types=types), quantization="gguf")
     try:
         model = core_of(llm).model_runner.model
         kernels = [layer.mlp.down_proj.kernel for layer in model.layers] + [model.logits_kernel]
@@ -129,10 +112,22 @@ def test_gguf_int8_activations_are_the_same_at_every_batch_size(
         stored = {part.qtype for linear in model.linears() for part in linear.parts if part is not None}
         assert stored == {int(kind) for kind in kinds}  # as the file stores them
         assert model.native_decoder is not None
-        together = llm.generate(prompts, params, use_tqdm=False)  # decode steps of 20 rows
-        alone = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]  # steps of 1 row
+        assert_same_together_and_alone(llm, seed=13)
     finally:
         llm.shutdown()
+
+
+def assert_same_together_and_alone(llm: LLM, seed: int) -> None:
+    """With int8 activations, 20 prompts decoded together (steps of 20 rows: int8_gemm.c where the CPU
+    has AVX-512 VNNI, else the rounded activations through weight_gemm.c) give the greedy tokens they
+    give one at a time (steps of 1 row: block_q8.c)."""
+    rng = random.Random(seed)
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(3, VOCAB_SIZE) for _ in range(10 + 3 * i)]} for i in range(20)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    together = llm.generate(prompts, params, use_tqdm=False)
+    alone = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
     for a, b in zip(together, alone):
         assert_same_greedy(a.outputs[0], b.outputs[0])
 

@@ -70,10 +70,17 @@ def test_gguf_keeps_the_blocks_and_refuses_floats() -> None:
         requantize([blocks, random_stored_tensor(Q.F16, 8, 256)], "gguf", "layers.0.mlp.down_proj")
 
 
+@pytest.mark.parametrize("isa", native.supported_isas())
 @pytest.mark.parametrize("rows", [1, BLOCK_ROWS, BLOCK_ROWS + 1])
-def test_int8_activations_multiply_the_rounded_rows_at_every_batch_size(rows: int) -> None:
+def test_int8_activations_multiply_the_rounded_rows_at_every_batch_size(
+    rows: int, isa: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past BLOCK_ROWS: int8_gemm.c where the build and CPU have it, else weight_gemm.c on rounded rows."""
+    monkeypatch.setenv("LLMSERVE_CPU_ISA", isa)
     parts = [random_stored_tensor(Q.Q6_K, 40, 512), random_stored_tensor(Q.Q5_0, 24, 512, seed=1)]
     kernel = StoredKernel(StoredWeight(parts, None), int8_activations=True)
+    vnni = isa == "avx512" and "avx512_vnni" in native.cpu_flags()
+    assert kernel.many_rows_as_integers == vnni
     values = torch.cat([p.dequantize() for p in parts])
     x = torch.randn(rows, 512)
     expected = (native.round_rows(x).double() @ values.double().T).float()

@@ -2,12 +2,12 @@
  * block_q8.c rounds them, against a weight's GGUF blocks, on CPUs with AVX-512 VNNI.
  *
  * Each thread unpacks a panel of NP output rows once into unsigned bytes, four consecutive weights of
- * one output per 32-bit lane (pack_panel), with one scale and one offset per 16 weights; then every MR
- * rows of x meet the panel in VNNI multiply-adds: one instruction takes 4 weights x 16 outputs against
- * 4 broadcast int8 activations, 64 products where an fp32 multiply-add takes 16. The int32 sums of each
- * 32 weights (16 in panels with a Q6_K row) are scaled into fp32 accumulators, and the offsets (a
- * type's centre or minimum) meet x's sums over the same weights. Elsewhere int8_gemm returns -1 and the caller rounds x (round_rows) for weight_gemm.c:
- * the same values, summed in another order.
+ * one output per 32-bit lane (pack_panel), with a scale and an offset per 32 weights (per 16 in panels
+ * with a Q6_K row); then every MR rows of x meet the panel in VNNI multiply-adds: one instruction takes
+ * 4 weights x 16 outputs against 4 broadcast int8 activations, 64 products where an fp32 multiply-add
+ * takes 16. The int32 sums of each 32 (16) weights are scaled into fp32 accumulators, and the offsets
+ * (a type's centre or minimum) meet x's sums over the same weights. Elsewhere int8_gemm_available() is
+ * 0 and the callers round x (round_rows) for weight_gemm.c: the same values, summed in another order.
  */
 #pragma GCC optimize("fp-contract=off") /* dequant.h's scales; the products' FMAs are explicit */
 

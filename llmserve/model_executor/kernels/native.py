@@ -96,6 +96,7 @@ def _load(isa: str) -> ctypes.CDLL | None:
     library.block_gemv.restype = ctypes.c_int
     library.int8_gemm.argtypes = [_PTR, _I64, _I64, ctypes.POINTER(Weight), _I64, _PTR, ctypes.c_int]
     library.int8_gemm.restype = ctypes.c_int
+    library.int8_gemm_available.restype = ctypes.c_int
     library.round_rows.argtypes = [_PTR, _I64, _I64, _PTR]
     library.is_block_type.argtypes = [ctypes.c_int]
     library.row_bytes.argtypes = [ctypes.c_int, _I64]
@@ -183,10 +184,15 @@ def block_gemv(x: torch.Tensor, weight: Weight, out_features: int) -> torch.Tens
     return y
 
 
+def int8_gemm_available() -> bool:
+    """Whether the selected build has int8_gemm.c's products on this CPU (AVX-512 VNNI)."""
+    return bool(_library().int8_gemm_available())
+
+
 def int8_gemm(x: torch.Tensor, weight: Weight, out_features: int) -> torch.Tensor | None:
     """x [rows, in] fp32, rounded to int8 per block of 32 as block_gemv rounds it, @ W.T (+ bias), W in
-    GGUF blocks, for many rows (int8_gemm.c); None where this CPU (no AVX-512 VNNI) or W has no such
-    product."""
+    GGUF blocks, for many rows (int8_gemm.c); None where this CPU (see int8_gemm_available) or W has no
+    such product."""
     status, y = _int8_product("int8_gemm", x, weight, out_features)
     if status == -2:
         raise MemoryError("int8_gemm could not allocate its buffers.")

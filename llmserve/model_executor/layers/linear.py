@@ -87,11 +87,15 @@ class StoredKernel:
     def __init__(self, weight: StoredWeight, int8_activations: bool = False) -> None:
         self.weight = weight
         self.int8_activations = int8_activations
+        self.many_rows_as_integers = int8_activations and native.int8_gemm_available()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.int8_activations:
             return self.weight(x)
         if x.dim() == 2 and x.shape[0] <= BLOCK_ROWS:
             return native.block_gemv(x, self.weight.native, self.weight.out_features)
-        y = native.int8_gemm(x, self.weight.native, self.weight.out_features) if x.dim() == 2 else None
-        return self.weight(native.round_rows(x)) if y is None else y
+        if x.dim() == 2 and self.many_rows_as_integers:
+            y = native.int8_gemm(x, self.weight.native, self.weight.out_features)
+            if y is not None:
+                return y
+        return self.weight(native.round_rows(x))
