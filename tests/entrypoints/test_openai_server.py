@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -79,8 +80,8 @@ async def test_chat_async_stream_equals_non_stream(
     assert full.usage.prompt_tokens == len(tokenizer.encode(str(rendered), add_special_tokens=False))
     text = full.choices[0].message.content
     assert text and full.choices[0].message.role == "assistant"
-    if full.choices[0].finish_reason == "length":
-        assert full.usage.completion_tokens == 6
+    # the greedy answer is a sentence of some 30 tokens: cut at 6, on length
+    assert (full.choices[0].finish_reason, full.usage.completion_tokens) == ("length", 6)
 
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
@@ -233,44 +234,126 @@ def test_echo_logprobs_score_a_continuation_as_transformers_does(
     )
 
 
-async def test_penalties_bias_and_vllm_extras_pass_through(
-    server: RemoteServer, tokenizer: PreTrainedTokenizerBase
-) -> None:
+async def test_logit_bias_and_penalties(server: RemoteServer, tokenizer: PreTrainedTokenizerBase) -> None:
+    """A +100 bias forces its token. Presence and frequency penalties: greedy then takes, at each step, the
+    token whose raw logprob (what `logprobs` reports) minus `frequency * count + presence * (count > 0)`
+    over the tokens generated so far is the highest; the top 20 are checked, and that the penalty changed
+    at least one choice (this prompt's plain greedy output repeats its tokens)."""
     forced = tokenizer.encode(" banana")[0]
     repetitive = "la la la la la la la la la la"
     greedy: dict[str, Any] = dict(model=MODEL, max_tokens=8, temperature=0.0)
+    presence, frequency = 2.0, 1.0
     async with async_client(server) as client:
-        biased, plain, penalized, chat = await asyncio.gather(
+        biased, plain, penalized = await asyncio.gather(
             client.completions.create(
                 **greedy, prompt=PROMPT, logit_bias={str(forced): 100}, extra_body={"ignore_eos": True}
             ),
-            client.completions.create(**greedy, prompt=repetitive),
+            client.completions.create(**greedy, prompt=repetitive, logprobs=1),
             client.completions.create(
-                **greedy, prompt=repetitive, presence_penalty=2.0, frequency_penalty=1.0
-            ),
-            client.chat.completions.create(
-                model=MODEL,
-                messages=MESSAGES,
-                max_tokens=4,
-                seed=3,
-                extra_body={
-                    "repetition_penalty": 1.2,
-                    "min_tokens": 4,
-                    "min_p": 0.05,
-                    "top_k": 20,
-                    "bad_words": ["red"],
-                    "allowed_token_ids": list(range(100, 5000)),
-                    "prompt_logprobs": 1,
-                    "include_stop_str_in_output": True,
-                    "skip_special_tokens": False,
-                },
+                **greedy,
+                prompt=repetitive,
+                logprobs=20,
+                presence_penalty=presence,
+                frequency_penalty=frequency,
+                extra_body={"ignore_eos": True},
             ),
         )
     assert biased.choices[0].text == tokenizer.decode([forced] * 8)
-    assert penalized.choices[0].text != plain.choices[0].text
-    assert chat.usage is not None and chat.usage.completion_tokens == 4  # min_tokens
-    prompt_logprobs = (chat.model_extra or {})["prompt_logprobs"]
-    assert len(prompt_logprobs) == chat.usage.prompt_tokens and prompt_logprobs[0] is None
+
+    unpenalized = plain.choices[0].logprobs
+    assert unpenalized is not None and unpenalized.tokens
+    assert len(set(unpenalized.tokens)) < len(unpenalized.tokens)  # a repeat, for the penalty to act on
+
+    lp = penalized.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+    assert len(lp.tokens) == 8
+    counts: Counter[str] = Counter()
+
+    def penalized_score(token: str, logprob: float) -> float:
+        return logprob - frequency * counts[token] - presence * (counts[token] > 0)
+
+    not_argmax = []  # steps where the penalties chose another token than the raw logits' best
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob is not None and top is not None and len(top) == 20
+        best = max(penalized_score(t, value) for t, value in top.items())
+        assert penalized_score(token, logprob) >= best - 1e-4, (token, counts, top)
+        if logprob < max(top.values()) - 1e-4:
+            not_argmax.append(token)
+        counts[token] += 1
+    assert not_argmax, "the penalties never changed a choice"
+    assert lp.tokens[0] == unpenalized.tokens[0]  # nothing generated yet: no penalty
+
+
+# A small vocabulary for allowed_token_ids, each token told apart by its text (byte-level BPE: one text,
+# one token). It leaves out "The" (no space), with which the unrestricted greedy answer begins.
+ALLOWED_WORDS = " The the color is a shade of blue red green yellow purple orange sky."
+
+
+async def test_allowed_tokens_bad_words_top_k_min_p_and_min_tokens(
+    server: RemoteServer, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """vLLM's sampling extras, each against what its definition implies: only allowed tokens; a bad word
+    never, the greedy output unchanged up to where it would have come; top_k=1 and min_p=1 sample the
+    greedy token whatever the seed; min_tokens holds off EOS; and the rest are accepted."""
+    allowed = sorted(set(tokenizer.encode(ALLOWED_WORDS, add_special_tokens=False)))
+    allowed_texts = {tokenizer.decode([t]) for t in allowed}
+    assert len(allowed_texts) == len(allowed)
+    short_question = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
+
+    async with async_client(server) as client:
+
+        async def chat(messages: list[Any] = MESSAGES, **extra: Any) -> Any:
+            args = {"temperature": extra.pop("temperature", 0.0), "seed": extra.pop("seed", None)}
+            max_tokens = extra.pop("max_tokens", 8)
+            return await client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=max_tokens, logprobs=True, **args, extra_body=extra
+            )
+
+        sampled: dict[str, Any] = {"temperature": 1.0, "seed": 3, "allowed_token_ids": allowed}
+        free, greedy, banned, top_k, min_p, unfiltered, extras, short, held = await asyncio.gather(
+            chat(),
+            chat(allowed_token_ids=allowed),
+            chat(allowed_token_ids=allowed, bad_words=["color"]),
+            chat(**sampled, top_k=1),
+            chat(**sampled, min_p=1.0),
+            chat(**sampled),
+            chat(
+                **sampled,
+                bad_words=["color"],
+                top_k=20,
+                min_p=0.05,
+                repetition_penalty=1.2,
+                include_stop_str_in_output=True,
+                skip_special_tokens=False,
+            ),
+            chat(short_question, max_tokens=6),
+            chat(short_question, max_tokens=6, min_tokens=6, prompt_logprobs=1),
+        )
+
+    def tokens(response: Any) -> list[str]:
+        return [t.token for t in response.choices[0].logprobs.content]
+
+    assert tokens(free)[0] not in allowed_texts  # so the restriction below has something to refuse
+    for response in (greedy, banned, top_k, min_p, unfiltered, extras):
+        assert len(tokens(response)) == 8 and set(tokens(response)) <= allowed_texts, tokens(response)
+
+    # bad_words=["color"]: neither "color" nor " color"; until greedy took " color", the same tokens
+    color = {tokenizer.decode(tokenizer.encode(w, add_special_tokens=False)) for w in ("color", " color")}
+    assert " color" in tokens(greedy)
+    cut = tokens(greedy).index(" color")
+    assert tokens(banned)[:cut] == tokens(greedy)[:cut] and not color & set(tokens(banned))
+    assert not color & set(tokens(extras))
+
+    # top_k=1 and min_p=1 leave only the most likely token: greedy, although this seed samples otherwise
+    assert tokens(top_k) == tokens(min_p) == tokens(greedy) != tokens(unfiltered)
+
+    # min_tokens=6: the answer that ends after a few tokens goes on, as it began, to 6 tokens
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 6
+    answer = short.choices[0].message.content
+    assert held.choices[0].finish_reason == "length" and held.usage.completion_tokens == 6
+    assert held.choices[0].message.content.startswith(answer)
+    prompt_logprobs = (held.model_extra or {})["prompt_logprobs"]
+    assert len(prompt_logprobs) == held.usage.prompt_tokens and prompt_logprobs[0] is None
 
 
 def test_tokenize_detokenize_models_version(server: RemoteServer, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -360,17 +443,18 @@ def test_top5_logprobs_equal_transformers(
     lp = out.choices[0].logprobs
     assert lp is not None and lp.tokens and lp.top_logprobs
     generated = tokenizer.encode(out.choices[0].text, add_special_tokens=False)
-    # Teacher-force HF on our tokens, as far as the text re-encodes to the same tokens.
-    agree = 0
-    for token_id, text in zip(generated, lp.tokens):
-        if tokenizer.decode([token_id]) != text:
-            break
-        agree += 1
-    assert agree >= 1
+    # HF is teacher-forced on our tokens, recovered from the text: they must be ours at every position
+    assert [tokenizer.decode([t]) for t in generated] == lp.tokens and len(generated) == 8
     with torch.no_grad():
         logits = hf_model(torch.tensor([ids + generated])).logits[0, len(ids) - 1 : -1]
-    reference = logits.float().log_softmax(-1)
-    for position, top in enumerate(lp.top_logprobs[:agree]):
-        assert top is not None
-        expected = reference[position].topk(5).values.tolist()
-        assert sorted(top.values(), reverse=True)[:5] == pytest.approx(expected, abs=1e-3)
+    reference = logits.float().log_softmax(-1).topk(6)  # [8, 6]
+    # HF's 1st and 2nd, and 5th and 6th, are more than 2e-3 apart here, so within the 1e-3 below the
+    # greedy token and the set of the top 5 are HF's as well
+    gaps = reference.values[:, [0, 4]] - reference.values[:, [1, 5]]
+    assert gaps.min() > 2e-3
+    for position, top in enumerate(lp.top_logprobs):
+        assert top is not None and len(top) == 5
+        expected = reference.values[position, :5].tolist()
+        assert sorted(top.values(), reverse=True) == pytest.approx(expected, abs=1e-3)
+        assert set(top) == {tokenizer.decode([t]) for t in reference.indices[position, :5].tolist()}
+        assert lp.tokens[position] == tokenizer.decode([reference.indices[position, 0].item()])

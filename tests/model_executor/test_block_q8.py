@@ -11,7 +11,14 @@ from gguf.quants import quantize
 
 from llmserve.model_executor.kernels import native
 from llmserve.model_executor.layers.stored_weight import StoredTensor, StoredWeight
-from tests.model_executor.stored_weights import K_TYPES, QUANTIZABLE, random_stored_tensor, reference
+from tests.model_executor.stored_weights import (
+    K_TYPES,
+    QUANTIZABLE,
+    random_stored_tensor,
+    real_stored_tensor,
+    real_tensor_per_type,
+    reference,
+)
 
 round_activations = native.round_rows
 
@@ -58,6 +65,38 @@ def test_int8_gemm_times_every_block_type(isa: str, qtype: Q, rows: int) -> None
     expected = (round_activations(x).double() @ values.double().T).float() + weight.bias
     assert actual is not None
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-4 * expected.abs().max().item())
+
+
+def assert_rounded_product_close(y: torch.Tensor, x: torch.Tensor, values: torch.Tensor) -> None:
+    """y within fp32 rounding of the fp64 product of the int8-rounded x and W's values: |error| <=
+    1e-5 * sum |rounded x * w| for each output (the int8 dot products are exact; the scales are not)."""
+    rounded = round_activations(x).double()
+    exact = rounded @ values.double().T
+    bound = 1e-5 * (rounded.abs() @ values.double().abs().T) + 1e-30
+    assert ((y.double() - exact).abs() <= bound).all(), (y.double() - exact).abs().div(bound).max()
+
+
+@real_tensor_per_type
+@pytest.mark.parametrize("rows", [1, 3, 8, native.BLOCK_GEMV_MAX_ROWS])
+def test_int8_activations_times_real_blocks(model: str, name: str, qtype: Q, rows: int) -> None:
+    """Blocks of the packaged models (Q4_K, Q6_K, Q5_0, Q8_0, Q4_1), the few rows of a decode step."""
+    weight, values = stored_weight([real_stored_tensor(model, name, qtype)])
+    x = torch.randn(rows, values.shape[1], generator=torch.Generator().manual_seed(rows)) * 3
+    assert_rounded_product_close(native.block_gemv(x, weight.native, weight.out_features), x, values)
+
+
+@real_tensor_per_type
+@pytest.mark.parametrize("rows", [64, 300])
+def test_int8_gemm_times_real_blocks(isa: str, model: str, name: str, qtype: Q, rows: int) -> None:
+    """Many rows: the same rounded product on AVX-512 VNNI; elsewhere no product (None)."""
+    weight, values = stored_weight([real_stored_tensor(model, name, qtype)])
+    x = torch.randn(rows, values.shape[1], generator=torch.Generator().manual_seed(rows)) * 3
+    actual = native.int8_gemm(x, weight.native, weight.out_features)
+    if isa != "avx512" or "avx512_vnni" not in native.cpu_flags():
+        assert actual is None
+        return
+    assert actual is not None
+    assert_rounded_product_close(actual, x, values)
 
 
 @pytest.mark.parametrize("rows", [2, 40])

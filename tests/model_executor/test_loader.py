@@ -10,13 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
+from llmserve.model_executor.layers.stored_weight import StoredTensor
 from llmserve.model_executor.loader import iter_weights, load_model_config, model_source, resolve_model
 from llmserve.model_executor.loader.gguf_file import map_tensor_data, read_gguf_header, tensor_bytes
-from tests.fixtures.tiny_llama import write_gguf
+from tests.fixtures.tiny_llama import llama_cpp_permute, write_gguf
+from tests.model_executor.stored_weights import QWEN, random_stored, real_stored_tensor
 
 Q = GGMLQuantizationType
 
@@ -153,9 +155,18 @@ def test_gguf_unsupported_architecture(tmp_path: Path) -> None:
 # --- weights -----------------------------------------------------------------------------------
 
 
-def _assert_same_weights(weights: Iterator[tuple[str, torch.Tensor]], hf_dir: Path) -> None:
+def _dense(weights: Iterator[tuple[str, torch.Tensor | StoredTensor]]) -> dict[str, torch.Tensor]:
+    """The weights by name, each a tensor (as `iter_weights` yields them without `stored`)."""
+    out = {}
+    for name, tensor in weights:
+        assert isinstance(tensor, torch.Tensor), name
+        out[name] = tensor
+    return out
+
+
+def _assert_same_weights(weights: Iterator[tuple[str, torch.Tensor | StoredTensor]], hf_dir: Path) -> None:
     expected = load_file(hf_dir / "model.safetensors")
-    got = dict(weights)
+    got = _dense(weights)
     assert got.keys() == expected.keys()
     for name, tensor in got.items():
         assert tensor.dtype == torch.float32 and tensor.device.type == "cpu"
@@ -188,7 +199,7 @@ def test_quantized_gguf_weights(qtype: GGMLQuantizationType, tiny_llama_hf_dir: 
     quantized = {"blk.0.ffn_up.weight": "model.layers.0.mlp.up_proj.weight",
                  "blk.0.attn_q.weight": "model.layers.0.self_attn.q_proj.weight"}  # fmt: skip
     path = write_gguf(tmp_path / "q.gguf", tiny_llama_hf_dir, types=dict.fromkeys(quantized, qtype))
-    weights = dict(iter_weights(resolve_model(str(path))))
+    weights = _dense(iter_weights(resolve_model(str(path))))
     original = load_file(tiny_llama_hf_dir / "model.safetensors")
     for hf_name in quantized.values():
         want = original[hf_name].numpy()
@@ -201,12 +212,69 @@ def test_quantized_gguf_weights(qtype: GGMLQuantizationType, tiny_llama_hf_dir: 
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K])
-def test_k_quant_shapes(qtype: GGMLQuantizationType, tmp_path: Path) -> None:
-    # gguf cannot quantize to k-quants; all-zero blocks still check the byte layout and shape
-    path = _write_bare_gguf(tmp_path / "k.gguf", "llama", {"blk.0.ffn_up.weight": ((3, 512), qtype)})
+def test_k_quant_blocks_load_as_gguf_reads_them(qtype: GGMLQuantizationType, tmp_path: Path) -> None:
+    """gguf cannot quantize to K types: random bits under finite scales stand in for blocks (Q5_K has no
+    real tensor in our models; real Q4_K and Q6_K ones follow)."""
+    raw = random_stored(qtype, 3, 512)
+    path = _write_blocks_gguf(tmp_path / "k.gguf", "llama", {"blk.0.ffn_up.weight": (raw, qtype)})
     [(name, tensor)] = list(iter_weights(resolve_model(str(path))))
     assert name == "model.layers.0.mlp.up_proj.weight"
-    assert tensor.shape == (3, 512) and not tensor.any()
+    assert isinstance(tensor, torch.Tensor) and tensor.shape == (3, 512)
+    assert tensor.count_nonzero() > tensor.numel() // 2
+    np.testing.assert_array_equal(tensor.numpy(), dequantize(raw, qtype))
+
+
+@pytest.mark.parametrize(
+    ("model", "name", "qtype"),
+    [(QWEN, "blk.5.ffn_down.weight", Q.Q4_K), (QWEN, "blk.0.ffn_down.weight", Q.Q6_K)],
+    ids=["Q4_K", "Q6_K"],
+)
+def test_real_k_quant_blocks_load_with_their_values(
+    model: str, name: str, qtype: GGMLQuantizationType, tmp_path: Path
+) -> None:
+    """Rows of Qwen2.5-Coder's Q4_K and Q6_K blocks as a llama file's ffn_down, and as its attn_q (whose
+    rows llama.cpp interleaves per head): as fp32, and as stored bytes, in Hugging Face's row order."""
+    raw = real_stored_tensor(model, name, qtype, rows=8).data.numpy()
+    values = dequantize(raw, qtype)  # [8, 4864]
+    tensors = {"blk.0.ffn_down.weight": (raw, qtype), "blk.0.attn_q.weight": (raw, qtype)}
+    source = resolve_model(str(_write_blocks_gguf(tmp_path / "real.gguf", "llama", tensors)))
+    dense = _dense(iter_weights(source))
+    stored = {n: t for n, t in iter_weights(source, stored=True) if isinstance(t, StoredTensor)}
+    down, q = "model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight"
+    assert dense.keys() == stored.keys() == {down, q}  # fp32 tensors, and stored bytes
+    np.testing.assert_array_equal(dense[down].numpy(), values)
+    np.testing.assert_array_equal(llama_cpp_permute(dense[q].numpy(), 2), values)  # 2 heads (metadata)
+    assert not np.array_equal(dense[q].numpy(), values)  # so the permutation was undone, not skipped
+    for hf_name in (down, q):
+        kept = stored[hf_name]
+        assert (kept.qtype, kept.rows, kept.in_features) == (qtype, 8, values.shape[1])
+        assert torch.equal(kept.dequantize(), dense[hf_name])
+    np.testing.assert_array_equal(stored[down].data.numpy(), raw)
+
+
+def test_real_k_quant_tensors_are_mapped_with_their_shapes_and_values(qwen_gguf_path: Path) -> None:
+    """Every Q4_K and Q6_K tensor of Qwen2.5-Coder-0.5B Q4_K_M, read for the CPU kernels: the ffn_down of
+    each layer, under its HF name, in its published shape, as the file's bytes with gguf's values."""
+    source = resolve_model(str(qwen_gguf_path))
+    config = load_model_config(source)
+    # Qwen2.5-0.5B's published config: hidden 896, intermediate 4864, 24 layers
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (896, 4864, 24)
+    header = read_gguf_header(qwen_gguf_path)
+    data = map_tensor_data(qwen_gguf_path)
+    k_quants = {n: info for n, info in header.tensors.items() if info.qtype in (Q.Q4_K, Q.Q6_K)}
+    assert sorted(k_quants) == sorted(f"blk.{i}.ffn_down.weight" for i in range(24))
+    assert {info.qtype for info in k_quants.values()} == {Q.Q4_K, Q.Q6_K}
+    weights = dict(iter_weights(source, stored=True))
+    rows = torch.tensor([0, 1, 448, 895])
+    for gguf_name, info in k_quants.items():
+        kept = weights[f"model.layers.{gguf_name.split('.')[1]}.mlp.down_proj.weight"]
+        assert isinstance(kept, StoredTensor), gguf_name
+        assert (kept.qtype, kept.rows, kept.in_features) == (info.qtype, 896, 4864), gguf_name
+        raw = tensor_bytes(data, info)
+        np.testing.assert_array_equal(kept.data[rows].numpy(), raw[rows.numpy()])
+        expected = dequantize(raw[rows.numpy()], info.qtype)
+        assert np.count_nonzero(expected) > expected.size // 2, gguf_name
+        np.testing.assert_array_equal(kept.dequantize(rows).numpy(), expected)
 
 
 def test_unknown_gguf_tensor_is_rejected(tmp_path: Path) -> None:
@@ -219,6 +287,17 @@ def _write_bare_gguf(
     path: Path, arch: str, tensors: dict[str, tuple[tuple[int, int], GGMLQuantizationType]]
 ) -> Path:
     """A GGUF with just enough metadata for a config, and all-zero tensors."""
+    zeros = {
+        name: (quantize(np.zeros(shape, np.float32), qtype), qtype)
+        for name, (shape, qtype) in tensors.items()
+    }
+    return _write_blocks_gguf(path, arch, zeros)
+
+
+def _write_blocks_gguf(
+    path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType]]
+) -> Path:
+    """A GGUF with just enough metadata for a config (2 heads), and these stored bytes."""
     writer = GGUFWriter(path, arch)
     writer.add_block_count(1)
     writer.add_context_length(64)
@@ -226,12 +305,7 @@ def _write_bare_gguf(
     writer.add_feed_forward_length(64)
     writer.add_head_count(2)
     writer.add_vocab_size(16)
-    for name, (shape, qtype) in tensors.items():
-        if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
-            block_size, type_size = GGML_QUANT_SIZES[qtype]
-            data = np.zeros((shape[0], shape[1] // block_size * type_size), np.uint8)
-        else:
-            data = quantize(np.zeros(shape, np.float32), qtype)
+    for name, (data, qtype) in tensors.items():
         writer.add_tensor(name, data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -259,10 +333,13 @@ def test_default_model_weights_match_transformers(
     source = resolve_model(str(default_model_path))
     config = load_model_config(source)
     assert config.tie_word_embeddings  # so transformers' state dict has an lm_head we do not yield
-    ours = dict(iter_weights(source))
+    ours = _dense(iter_weights(source))
     assert {n: t.shape for n, t in ours.items()} == {
         n: t.shape for n, t in hf_state_dict.items() if n != "lm_head.weight"
     }
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"):
-        torch.testing.assert_close(ours[name], hf_state_dict[name], rtol=0, atol=1e-6)
+    for name, tensor in ours.items():  # both dequantize with gguf: equal to the bit
+        torch.testing.assert_close(tensor, hf_state_dict[name], rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(
+        hf_state_dict["lm_head.weight"], ours["model.embed_tokens.weight"], rtol=0, atol=0
+    )
     assert (config.num_attention_heads, config.num_key_value_heads) == (9, 3)  # k un-permuted per kv head

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from llmserve.model_executor.kernels import native
-from tests.model_executor.stored_weights import ALL_TYPES, Q, reference
+from tests.model_executor.stored_weights import (
+    ALL_TYPES,
+    Q,
+    real_stored_tensor,
+    real_tensor_per_type,
+    real_tensors,
+    reference,
+)
 from tests.model_executor.stored_weights import random_stored as stored
 
 
@@ -54,6 +61,30 @@ def test_product_equals_fp64_of_gguf_values(isa: str, qtype: Q, rows: int) -> No
     x = torch.randn(rows, in_features)
     y = native.weight_gemm(x, weight, out_features)
     assert_product_close(y, x, torch.from_numpy(reference(raw, qtype)), bias)
+
+
+@real_tensors
+def test_real_blocks_dequantize_as_gguf_does_bit_for_bit(isa: str, model: str, name: str, qtype: Q) -> None:
+    """Blocks of the packaged models: the scales, mins and high bits a trained model has."""
+    weight = real_stored_tensor(model, name, qtype)
+    ids = torch.randperm(weight.rows, generator=torch.Generator().manual_seed(0))
+    ours = native.dequantize_rows(weight.data, weight.qtype, weight.in_features, ids)
+    expected = torch.from_numpy(reference(weight.data.numpy(), qtype))[ids]
+    assert expected.count_nonzero() > expected.numel() // 2
+    assert torch.equal(ours, expected)
+
+
+@real_tensor_per_type
+@pytest.mark.parametrize("rows", [1, 3, 8, 64, 300])
+def test_product_of_real_blocks_equals_fp64_of_gguf_values(
+    isa: str, model: str, name: str, qtype: Q, rows: int
+) -> None:
+    """1 to 300 rows take weight_gemm.c's two ways (up to 4 rows from registers, more in tiles)."""
+    weight = real_stored_tensor(model, name, qtype)
+    native_weight, keep = one_part(weight.data.numpy(), qtype)
+    x = torch.randn(rows, weight.in_features, generator=torch.Generator().manual_seed(rows))
+    y = native.weight_gemm(x, native_weight, weight.rows)
+    assert_product_close(y, x, torch.from_numpy(reference(weight.data.numpy(), qtype)))
 
 
 def test_product_of_odd_width_floats(isa: str) -> None:

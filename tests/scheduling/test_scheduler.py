@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from llmserve.config import SchedulerConfig
+from llmserve.engine.messages import FinishReason
 from llmserve.scheduling.kv_cache_manager import KVCacheManager
 from llmserve.scheduling.request import RequestStatus
 from llmserve.scheduling.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
@@ -56,13 +57,18 @@ def test_requests_finish_at_max_tokens_and_free_every_block() -> None:
     scheduler = make_scheduler()
     for i in range(5):
         scheduler.add_request(make_request(str(i), 3 + i, max_tokens=2 + i))
-    finished: dict[str, int] = {}
+    finished: dict[str, FinishReason | None] = {}
+    generated = dict.fromkeys(map(str, range(5)), 0)
     while scheduler.has_unfinished_requests():
         output = scheduler.schedule()
         for out in scheduler.update_from_output(output, fake_run(output)):
+            assert out.request_id not in finished, "no output after a request's last"
+            generated[out.request_id] += len(out.new_token_ids)
             if out.finished:
                 finished[out.request_id] = out.finish_reason
-    assert sorted(finished) == [str(i) for i in range(5)]
+    # ignore_eos and no stop tokens: every request ends on its length, with exactly max_tokens tokens
+    assert finished == dict.fromkeys(map(str, range(5)), FinishReason.LENGTH)
+    assert generated == {str(i): 2 + i for i in range(5)}
     assert scheduler.kv_cache_manager.num_free_blocks == 64
 
 
