@@ -1,4 +1,4 @@
-"""Hugging Face greedy references, and the near-tie rule for comparing token sequences."""
+"""Hugging Face greedy references, compared with ours under the rule of tests/greedy_match.py."""
 
 from __future__ import annotations
 
@@ -7,15 +7,16 @@ from typing import Any
 
 import torch
 
-from llmserve.outputs import CompletionOutput
-
-TIE_TOLERANCE = 1e-3
+from llmserve import LLM
+from llmserve.outputs import CompletionOutput, RequestOutput
+from tests.greedy_match import Top2, assert_greedy_match, our_choices_along
 
 
 @dataclass
 class Reference:
     token_ids: list[int]
     logprobs: list[torch.Tensor]  # per generated position, [vocab] log_softmax of fp32 logits
+    forced_on_ours: bool = False  # position i's logprobs follow our tokens before i, not token_ids
 
 
 @torch.no_grad()
@@ -34,32 +35,20 @@ def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> Referen
     return Reference(ids, [step[0].float().log_softmax(-1) for step in out.logits])
 
 
-def compare_greedy(ours: CompletionOutput, ref: Reference) -> str | None:
-    """None when the token ids are equal; a note when they first differ at a near-tie (both tokens in
-    the other side's top 2, their logprobs within 1e-3 on both sides); AssertionError otherwise.
-    `ours` must carry logprobs with k >= 2.
-    """
-    for i, (a, b) in enumerate(zip(ours.token_ids, ref.token_ids)):
-        if a == b:
-            continue
-        assert ours.logprobs is not None
-        our_top = {t: lp.logprob for t, lp in ours.logprobs[i].items() if (lp.rank or 3) <= 2}
-        ref_lp = ref.logprobs[i]
-        ref_top2 = ref_lp.topk(2).indices.tolist()
-        tie = (
-            a in ref_top2
-            and b in our_top
-            and a in our_top
-            and abs(float(ref_lp[a] - ref_lp[b])) < TIE_TOLERANCE
-            and abs(our_top[a] - our_top[b]) < TIE_TOLERANCE
-        )
-        assert tie, (
-            f"token {i} differs: ours {a}, HF {b}; HF logprobs {float(ref_lp[a]):.5f} vs "
-            f"{float(ref_lp[b]):.5f}; our top 2 {our_top}"
-        )
-        return f"near-tie at token {i}: ours {a}, HF {b}"
-    assert len(ours.token_ids) == len(ref.token_ids)
-    return None
+def assert_matches_hf(llm: LLM, ours: RequestOutput, ref: Reference) -> int | None:
+    """The rule of tests/greedy_match.py against a Hugging Face reference; the near-tie's position."""
+    completion = ours.outputs[0]
+
+    def top2(i: int) -> Top2:
+        values, indices = ref.logprobs[i].topk(2)
+        return Top2(int(indices[0]), float(values[0]), int(indices[1]), float(values[1]))
+
+    def along() -> list[int]:
+        if ref.forced_on_ours:  # its later positions already follow our tokens: compare them directly
+            return list(completion.token_ids)
+        return our_choices_along(llm, ours.prompt_token_ids, ref.token_ids)
+
+    return assert_greedy_match(completion.token_ids, ref.token_ids, top2, along)
 
 
 @torch.no_grad()
@@ -68,7 +57,7 @@ def hf_teacher_forced(model: Any, prompt_ids: list[int], generated: list[int]) -
     generate() loop. Up to the first divergence this is exactly HF's greedy continuation."""
     logits = model(torch.tensor([prompt_ids + generated])).logits[0, len(prompt_ids) - 1 : -1]
     logprobs = logits.float().log_softmax(-1)
-    return Reference(logprobs.argmax(-1).tolist(), list(logprobs))
+    return Reference(logprobs.argmax(-1).tolist(), list(logprobs), forced_on_ours=True)
 
 
 def assert_top_logprobs_match(

@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from llmserve import LLM, AsyncLLM, RequestOutputKind, SamplingParams
+from llmserve import LLM, AsyncLLM, RequestOutput, RequestOutputKind, SamplingParams
 from tests.e2e.conftest import PROMPTS
 from tests.e2e.greedy_reference import (
     Reference,
+    assert_matches_hf,
     assert_top_logprobs_match,
-    compare_greedy,
     hf_greedy,
     hf_teacher_forced,
 )
@@ -27,22 +27,20 @@ def references(llm: LLM, hf_model: Any) -> list[Reference]:
     return [hf_greedy(hf_model, tokenizer.encode(p), NUM_TOKENS) for p in PROMPTS]
 
 
-def check_all(outputs: list[Any], references: list[Reference]) -> None:
-    notes = [compare_greedy(o.outputs[0], ref) for o, ref in zip(outputs, references)]
-    for prompt, note in zip(PROMPTS, notes):
-        if note:
-            print(f"{prompt[:30]!r}: {note}")
+def check_all(llm: LLM, outputs: list[RequestOutput], references: list[Reference]) -> None:
+    ties = [assert_matches_hf(llm, o, ref) for o, ref in zip(outputs, references, strict=True)]
+    print("near-ties:", {prompt[:30]: tie for prompt, tie in zip(PROMPTS, ties) if tie is not None})
 
 
 def test_each_prompt_alone_matches_hf(llm: LLM, references: list[Reference]) -> None:
     outputs = [llm.generate(p, GREEDY, use_tqdm=False)[0] for p in PROMPTS]
-    check_all(outputs, references)
+    check_all(llm, outputs, references)
 
 
 def test_batch_of_mixed_lengths_matches_hf(llm: LLM, references: list[Reference]) -> None:
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.prompt for o in outputs] == PROMPTS
-    check_all(outputs, references)
+    check_all(llm, outputs, references)
 
 
 def test_logprobs_match_hf(llm: LLM, references: list[Reference]) -> None:
@@ -77,9 +75,7 @@ def test_64_mixed_prompts_in_one_batch_match_hf_alone(llm: LLM, hf_model: Any) -
         completion = out.outputs[0]
         assert len(completion.token_ids) == sp.max_tokens
         ref = hf_teacher_forced(hf_model, prompt["prompt_token_ids"], completion.token_ids)
-        note = compare_greedy(completion, ref)
-        if note:
-            print(note)
+        assert_matches_hf(llm, out, ref)
 
 
 async def test_async_llm_logprobs_match_hf(references: list[Reference]) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from llmserve import LLM, RequestOutput, SamplingParams
 from llmserve.model_executor.kernels import native
-from tests.e2e.greedy_reference import Reference, assert_top_logprobs_match, compare_greedy, hf_greedy
+from tests.e2e.greedy_reference import Reference, assert_matches_hf, assert_top_logprobs_match, hf_greedy
 from tests.e2e.logprob_drift import prompt_logprob_drifts
 from tests.entrypoints.remote_server import RemoteServer
 
@@ -78,19 +78,16 @@ def references(qwen_gguf_path: Path, qwen_outputs: list[RequestOutput]) -> list[
     return refs
 
 
-def assert_matches(outputs: list[RequestOutput], references: list[Reference]) -> None:
+def assert_matches(llm: LLM, outputs: list[RequestOutput], references: list[Reference]) -> None:
     for out, ref in zip(outputs, references, strict=True):
-        completion = out.outputs[0]
-        note = compare_greedy(completion, ref)
-        if note:
-            print(note)
-        assert_top_logprobs_match(completion, ref, 5)
+        assert_matches_hf(llm, out, ref)
+        assert_top_logprobs_match(out.outputs[0], ref, 5)
 
 
 def test_greedy_output_equals_transformers(
-    qwen_outputs: list[RequestOutput], references: list[Reference]
+    qwen_llm: LLM, qwen_outputs: list[RequestOutput], references: list[Reference]
 ) -> None:
-    assert_matches(qwen_outputs, references)
+    assert_matches(qwen_llm, qwen_outputs, references)
     assert len({tuple(out.outputs[0].token_ids) for out in qwen_outputs}) == len(qwen_outputs)
 
 
@@ -102,7 +99,7 @@ def test_the_avx2_build_gives_the_same_outputs(
     monkeypatch.setenv("LLMSERVE_CPU_ISA", "avx2")  # the engine core inherits it
     llm = make_llm()
     try:
-        assert_matches(run(llm), references)
+        assert_matches(llm, run(llm), references)
     finally:
         llm.shutdown()
 
@@ -127,7 +124,7 @@ def test_the_server_gives_the_same_outputs(
                 zip(served.logprobs.token_logprobs, out.outputs[0].token_ids)
             ):
                 if token != ref.token_ids[i]:
-                    break  # a near-tie (compare_greedy checked it offline)
+                    break  # the near-tie assert_matches_hf allowed offline
                 assert abs(logprob - float(ref.logprobs[i][token])) < 1e-3
         for chat, out in zip(CHATS, qwen_outputs[len(PROMPTS) :]):
             reply = client.chat.completions.create(messages=chat, extra_body={"ignore_eos": True}, **common)

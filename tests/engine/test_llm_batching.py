@@ -10,8 +10,8 @@ import pytest
 
 from llmserve import LLM, SamplingParams
 from llmserve.engine.core import EngineCore
-from tests.engine.greedy_compare import assert_same_greedy
 from tests.fixtures.tiny_llama import VOCAB_SIZE
+from tests.greedy_match import assert_same_greedy
 
 
 def make_llm(model: Path, **kwargs: object) -> LLM:
@@ -57,7 +57,7 @@ def test_64_mixed_prompts_batched_match_one_at_a_time(llm: LLM) -> None:
     for prompt, sp, out in zip(prompts, params, batched):
         alone = llm.generate(prompt, sp, use_tqdm=False)[0]
         assert len(out.outputs[0].token_ids) == sp.max_tokens
-        assert_same_greedy(out.outputs[0], alone.outputs[0])
+        assert_same_greedy(llm, out, alone)
     assert_no_leaks(llm)
 
 
@@ -73,8 +73,8 @@ def test_preemption_with_a_small_pool_gives_the_same_outputs(tiny_llama_hf_dir: 
     finally:
         small.shutdown()
     roomy = llm.generate(prompts, params, use_tqdm=False)
-    for a, b in zip(tight, roomy):
-        assert_same_greedy(a.outputs[0], b.outputs[0])
+    for a, b in zip(tight, roomy, strict=True):
+        assert_same_greedy(llm, a, b)
 
 
 def test_chunked_prefill_matches_unchunked(tiny_llama_hf_dir: Path, llm: LLM) -> None:
@@ -85,7 +85,7 @@ def test_chunked_prefill_matches_unchunked(tiny_llama_hf_dir: Path, llm: LLM) ->
     finally:
         chunked.shutdown()
     b = llm.generate(prompt, greedy(16), use_tqdm=False)[0]
-    assert_same_greedy(a.outputs[0], b.outputs[0])
+    assert_same_greedy(llm, a, b)
 
 
 def test_same_seed_same_sample_alone_and_in_a_batch(llm: LLM) -> None:

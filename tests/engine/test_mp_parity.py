@@ -9,8 +9,8 @@ from pathlib import Path
 
 from llmserve import LLM, SamplingParams
 from llmserve.engine.mp_client import SyncMPClient
-from tests.engine.greedy_compare import assert_same_greedy
 from tests.engine.mp_helpers import wait_until_gone
+from tests.greedy_match import assert_same_greedy
 
 PROMPTS = [
     "The capital of France is",
@@ -39,6 +39,7 @@ def test_process_core_matches_in_process_core(default_model_path: Path) -> None:
 
     with LLM(kv_cache_memory=64 << 20, multiprocess=False) as inproc:
         inproc_outputs = inproc.generate(PROMPTS, GREEDY, use_tqdm=False)
-    for ours, theirs in zip(process_outputs, inproc_outputs):
-        if assert_same_greedy(ours.outputs[0], theirs.outputs[0]) is None:
-            assert ours.outputs[0].text == theirs.outputs[0].text
+        pairs = list(zip(process_outputs, inproc_outputs, strict=True))
+        ties = [assert_same_greedy(inproc, ours, theirs) for ours, theirs in pairs]
+    for tie, (ours, theirs) in zip(ties, pairs):
+        assert tie is not None or ours.outputs[0].text == theirs.outputs[0].text
