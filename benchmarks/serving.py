@@ -4,8 +4,8 @@ default) against our OpenAI-compatible server and, on the same GGUF, against lla
 
     .venv/bin/python -m benchmarks.serving                       # starts `llmserve serve` itself
     .venv/bin/python -m benchmarks.serving --compare-llama-cpp \\
-        --llama-cpp-python /work/peers/llamacpp/bin/python
-    .venv/bin/python -m benchmarks.serving --llama-server /path/to/llama.cpp/build/bin/llama-server
+        --llama-cpp-python $LLAMA_CPP_PYTHON
+    .venv/bin/python -m benchmarks.serving --llama-server $LLAMA_CPP_BIN/llama-server
     .venv/bin/python -m benchmarks.serving --base-url http://127.0.0.1:8000/v1 --concurrency 8
 
 Without --base-url it starts our server on a free port; each server is stopped before the next starts,

@@ -5,9 +5,9 @@ and the same seeded workload, in one run. Prints output tokens/s and our ratio t
     .venv/bin/python -m benchmarks.throughput       # 64 and 256 prompts; every peer that is installed
     .venv/bin/python -m benchmarks.throughput --num-prompts 64 --peers hf   # one size, one peer
     .venv/bin/python -m benchmarks.throughput \\
-        --llama-cpp-python /work/peers/llamacpp/bin/python --vllm-python /path/to/vllm-venv/bin/python
+        --llama-cpp-python $LLAMA_CPP_PYTHON --vllm-python $VLLM_PYTHON
     .venv/bin/python -m benchmarks.throughput --peers none \\
-        --llama-batched-bench /path/to/llama.cpp/build/bin/llama-batched-bench
+        --llama-batched-bench $LLAMA_CPP_BIN/llama-batched-bench
 
 The workload: prompts of random token ids, lengths uniform in [--min-input, --max-input], each
 generating exactly --output-len tokens (ignore_eos; llama.cpp's `generate()` never stops by itself).
@@ -21,8 +21,8 @@ llama.cpp's `llama-batched-bench` (`--llama-batched-bench PATH`) runs its own fi
 of --batched-bench-input tokens prefilled together, then --output-len tokens each, for B in
 --batched-bench-levels (1 and 64). Ours runs the same shape (random prompts of that length), and the
 ratio compares the two whole runs. Its generation-only rate (S_TG, prefill not timed) is compared with
-ours: our run's time less that of prefilling other prompts of the same shape alone (1 output token),
-for the output_len - 1 tokens decoded after the prefill's.
+ours, measured the same way: from the step at which every sequence has its first token to the end, the
+tokens generated in that time over its length.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from benchmarks.peers import (
     run_peer,
 )
 from benchmarks.results import add_json_arg, write_results
+from llmserve import LLM, RequestOutputKind, SamplingParams
 from llmserve.engine.input_processor import TokensPrompt
 from llmserve.model_executor.loader import load_model_config, resolve_model
 
@@ -72,15 +73,14 @@ def make_workload(args: argparse.Namespace, num_prompts: int, vocab_size: int) -
     return Workload(prompts, args.output_len)
 
 
-def batched_bench_workloads(args: argparse.Namespace, vocab_size: int, output_len: int) -> list[Workload]:
+def batched_bench_workloads(args: argparse.Namespace, vocab_size: int) -> list[Workload]:
     """llama-batched-bench's shape for our engine: B prompts of exactly --batched-bench-input tokens per
-    level. Drawn from another seed than the main workloads (and per output_len: the full runs and the
-    prefills alone), so that prefix caching finds none of them."""
-    rng = random.Random(args.seed + output_len)
+    level. Drawn from another seed than the main workloads, so that prefix caching finds none of them."""
+    rng = random.Random(args.seed + args.output_len)
     return [
         Workload(
             [[rng.randrange(100, vocab_size) for _ in range(args.batched_bench_input)] for _ in range(level)],
-            output_len,
+            args.output_len,
         )
         for level in args.batched_bench_levels
     ]
@@ -90,9 +90,13 @@ def batched_bench_workloads(args: argparse.Namespace, vocab_size: int, output_le
 Runner = Callable[[argparse.Namespace, list[Workload]], list[float] | str]
 
 
-def run_llmserve(args: argparse.Namespace, works: list[Workload]) -> list[float]:
-    from llmserve import LLM, SamplingParams
+@dataclass(frozen=True)
+class Timing:
+    seconds: float  # the whole run
+    decode_tok_per_s: float  # tokens generated after every sequence had its first, over that time
 
+
+def run_llmserve(args: argparse.Namespace, works: list[Workload]) -> list[Timing]:
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
@@ -102,16 +106,32 @@ def run_llmserve(args: argparse.Namespace, works: list[Workload]) -> list[float]
     llm.generate(
         TokensPrompt(prompt_token_ids=works[0].prompts[0][:8]), SamplingParams(max_tokens=2), use_tqdm=False
     )
-    times = []
-    for work in works:
-        params = SamplingParams(temperature=0.0, max_tokens=work.output_len, ignore_eos=True)
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in work.prompts]
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        times.append(time.perf_counter() - start)
-        assert sum(len(o.outputs[0].token_ids) for o in outputs) == work.output_tokens
+    timings = [timed_run(llm, work, f"w{i}") for i, work in enumerate(works)]
     llm.shutdown()
-    return times
+    return timings
+
+
+def timed_run(llm: LLM, work: Workload, tag: str) -> Timing:
+    """The workload through the engine's own step loop (what `LLM.generate` runs), watching each step's
+    new tokens so that the decode phase is timed where it starts, as llama-batched-bench times S_TG."""
+    engine = llm.llm_engine
+    params = SamplingParams(
+        temperature=0.0, max_tokens=work.output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+    start = time.perf_counter()
+    for i, prompt in enumerate(work.prompts):
+        engine.add_request(f"{tag}-{i}", TokensPrompt(prompt_token_ids=prompt), params)
+    started: set[str] = set()
+    generated, decode_start, before_decode = 0, 0.0, 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            generated += len(output.outputs[0].token_ids)
+            started.add(output.request_id)
+        if not decode_start and len(started) == len(work.prompts):
+            decode_start, before_decode = time.perf_counter(), generated
+    end = time.perf_counter()
+    assert generated == work.output_tokens, (generated, work.output_tokens)
+    return Timing(end - start, (generated - before_decode) / max(end - decode_start, 1e-9))
 
 
 def run_hf(args: argparse.Namespace, works: list[Workload]) -> list[float]:
@@ -203,13 +223,12 @@ BATCHED_LINE = "  {:>9} {:>28} {:>9} {:>12} {:>10} {:>8}"  # sequences, who, S, 
 def report_batched_bench(
     args: argparse.Namespace,
     works: list[Workload],
-    ours: list[float],
-    prefills: list[float],
+    ours: list[Timing],
     theirs: list[BatchedBenchRow] | str,
 ) -> dict[str, object]:
     """Print our runs of llama-batched-bench's shape beside its rows; return the same for the results
-    file. Our whole-run rates compare with its S and output rate, our decode-only rate (`prefills`: the
-    seconds of each level's prefill alone) with its S_TG."""
+    file. Our whole-run rates compare with its S and output rate, our measured decode phase with its
+    S_TG."""
     print(
         f"\nllama-batched-bench's shape: {args.batched_bench_input} prompt tokens and {args.output_len} "
         "generated per sequence:"
@@ -219,14 +238,13 @@ def report_batched_bench(
     by_level = {} if isinstance(theirs, str) else {row.sequences: row for row in theirs}
     print(BATCHED_LINE.format("sequences", "", "S tok/s", "output tok/s", "S_TG tok/s", "seconds"))
     levels: list[dict[str, object]] = []
-    for work, seconds, prefill in zip(works, ours, prefills):
-        b = len(work.prompts)
+    for work, timing in zip(works, ours):
+        b, seconds = len(work.prompts), timing.seconds
         mine = {
             "seconds": seconds,
             "total_tok_per_s": b * (args.batched_bench_input + work.output_len) / seconds,
             "output_tok_per_s": work.output_tokens / seconds,
-            "prefill_seconds": prefill,
-            "gen_tok_per_s": b * (work.output_len - 1) / max(seconds - prefill, 1e-9),
+            "gen_tok_per_s": timing.decode_tok_per_s,
         }
         out, total, tg = mine["output_tok_per_s"], mine["total_tok_per_s"], mine["gen_tok_per_s"]
         print(BATCHED_LINE.format(b, "llmserve", f"{total:.1f}", f"{out:.1f}", f"{tg:.1f}", f"{seconds:.2f}"))
@@ -309,14 +327,13 @@ def main() -> None:
     load = warn_if_busy()
     vocab = load_model_config(resolve_model(args.model)).vocab_size
     works = [make_workload(args, n, vocab) for n in args.num_prompts]
-    shaped = batched_bench_workloads(args, vocab, args.output_len) if gguf else []
-    prefills = batched_bench_workloads(args, vocab, 1) if gguf else []
+    shaped = batched_bench_workloads(args, vocab) if gguf else []
     print(
         f"workload: {args.num_prompts} prompts, {args.min_input}-{args.max_input} input tokens, "
         f"{args.output_len} output tokens each; engine threads {engine_threads()}"
     )
-    mine = run_llmserve(args, works + shaped + prefills)  # one engine for all: loaded once
-    outcomes: dict[str, list[float] | str] = {"llmserve": mine[: len(works)]}
+    mine = run_llmserve(args, works + shaped)  # one engine for all: loaded once
+    outcomes: dict[str, list[float] | str] = {"llmserve": [t.seconds for t in mine[: len(works)]]}
     outcomes.update({name: PEERS[name](args, works) for name in args.peers if name in PEERS})
     rows = report(works, outcomes)
     results: dict[str, object] = {
@@ -333,8 +350,7 @@ def main() -> None:
             args.batched_bench_input,
             args.output_len,
         )
-        ours, ours_prefills = mine[len(works) : len(works) + len(shaped)], mine[len(works) + len(shaped) :]
-        results["llama_batched_bench"] = report_batched_bench(args, shaped, ours, ours_prefills, theirs)
+        results["llama_batched_bench"] = report_batched_bench(args, shaped, mine[len(works) :], theirs)
     write_results(args.json, "benchmarks.throughput", results, load)
 
 
