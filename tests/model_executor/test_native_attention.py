@@ -1,4 +1,13 @@
-"""Our C decode kernel against the PyTorch decode path it replaces."""
+"""Attention over the paged KV cache against softmax(q k^T * scale) v written out in fp64 here: our C
+decode kernel under every instruction-set build this CPU runs, and the whole ragged-batch entry point
+(`paged_attention`: cache writes, decodes, fresh and chunked prefills through PyTorch's SDPA).
+
+Tolerance: every path computes in fp32 (unit roundoff 6e-8). A score is a dot product of `head_dim`
+terms and an output a convex combination of up to ~160 value rows of magnitude ~1, so the accumulated
+rounding stays near 1e-6 (2.2e-6 the most measured); 1e-5 (absolute and relative) leaves margin for the
+kernel's exp polynomial (2 ulp) and summation order, while a scale 0.1% off already moves outputs by
+~1e-3, and a missed or extra key or a wrong head pairing by far more.
+"""
 
 from __future__ import annotations
 
@@ -7,51 +16,167 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmserve.model_executor.attention import AttentionMetadata, _decode_attention
+from llmserve.model_executor.attention import AttentionMetadata, PrefillChunk, paged_attention
 from llmserve.model_executor.kernels import native
 
 pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler here")
 
+KV_HEADS = 2
 
-@pytest.mark.parametrize(
-    ("batch", "heads", "kv_heads", "block_size", "max_blocks"),
-    [(1, 4, 4, 16, 1), (5, 9, 3, 16, 7), (16, 8, 2, 4, 13), (3, 6, 1, 8, 5)],
-)
-def test_native_decode_matches_torch(
-    batch: int, heads: int, kv_heads: int, block_size: int, max_blocks: int
-) -> None:
-    gen = torch.Generator().manual_seed(batch * 100 + heads)
-    head_dim, num_blocks = 32, 64
-    k_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen)
-    v_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen)
-    # Scattered blocks, ragged lengths from 1 token to full tables; unused table entries padded with 0.
-    lens = torch.randint(1, max_blocks * block_size + 1, (batch,), generator=gen)
-    lens[0] = 1
-    lens[-1] = max_blocks * block_size
-    tables = torch.zeros(batch, max_blocks, dtype=torch.int64)
-    for row, length in enumerate(lens.tolist()):
+
+@pytest.fixture(params=native.supported_isas())
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("LLMSERVE_CPU_ISA", request.param)
+    assert native.load_library() is not None, "the C kernels must build here"
+    return str(request.param)
+
+
+def reference_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One sequence in fp64: q [q_len, heads, d] are the last q_len of the kv_len positions whose keys and
+    values are [kv_len, kv_heads, d]; each query sees the keys up to its own position. → [q_len, heads, d]"""
+    q_len, heads, _ = q.shape
+    kv_len, kv_heads, _ = keys.shape
+    group = heads // kv_heads  # query head h reads KV head h // group
+    k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, kv_len, d]
+    v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [heads, q_len, kv_len]
+    query_pos = torch.arange(kv_len - q_len, kv_len)[:, None]
+    scores = scores.masked_fill(torch.arange(kv_len)[None, :] > query_pos, float("-inf"))
+    return (scores.softmax(dim=-1) @ v).transpose(0, 1)
+
+
+def cached(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """Token t of a sequence lies in block table[t // block_size] at offset t % block_size.
+    → [length, kv_heads, d]"""
+    t = torch.arange(length)
+    block_size = cache.shape[2]
+    return cache[:, table[t // block_size], t % block_size].transpose(0, 1)
+
+
+def block_tables(
+    lens: list[int], width: int, block_size: int, num_blocks: int, gen: torch.Generator
+) -> torch.Tensor:
+    """Distinct scattered blocks for each sequence; unused entries point at the last block, kept out of
+    every sequence (the tests fill it with NaN)."""
+    free = torch.randperm(num_blocks - 1, generator=gen)
+    tables = torch.full((len(lens), width), num_blocks - 1, dtype=torch.int64)
+    taken = 0
+    for row, length in enumerate(lens):
         used = -(-length // block_size)
-        tables[row, :used] = torch.randperm(num_blocks, generator=gen)[:used]
-    q = torch.randn(batch, heads, head_dim, generator=gen)
-    meta = AttentionMetadata(torch.zeros(1, dtype=torch.int64), batch, tables, lens, int(lens.max()), [])
-
-    expected = _decode_attention(q, k_cache, v_cache, meta, 0.17)
-    actual = native.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.17)
-
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+        tables[row, :used] = free[taken : taken + used]
+        taken += used
+    return tables
 
 
-def test_native_decode_reads_only_the_sequence_blocks() -> None:
-    """Poisoned blocks outside a sequence's table (and past its length) never reach its output."""
-    k_cache = torch.randn(1, 4, 4, 8)
-    v_cache = torch.randn(1, 4, 4, 8)
-    k_cache[:, 2:] = float("nan")
-    v_cache[:, 2:] = float("nan")
-    k_cache[:, 1, 2:] = float("nan")  # past the length: slots 6 and 7 of the sequence
-    tables = torch.tensor([[0, 1]])
-    q = torch.randn(1, 2, 8)
-    out = native.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor([6]), 0.3)
-    assert torch.isfinite(out).all()
+def poison_unused(
+    caches: tuple[torch.Tensor, torch.Tensor], tables: torch.Tensor, lens: list[int], value: float
+) -> None:
+    """`value` in the padding block and in each sequence's last block past its length: read, it would
+    show. NaN for the C kernel, which must never read them; the PyTorch decode reads them and masks them
+    out, so for it they must stay finite (its runner zeroes the cache), and 1e4 would show if unmasked."""
+    block_size = caches[0].shape[2]
+    for cache in caches:
+        cache[:, -1] = value
+        for table, length in zip(tables, lens):
+            if length % block_size:
+                cache[:, table[(length - 1) // block_size], length % block_size :] = value
+
+
+HEAD_DIMS = [32, 64, 80, 128]  # 80: the 64-wide loop, then 8-wide tails
+BLOCK_SIZES = [16, 32, 5]  # 5: the scalar path even where there are vectors
+GROUPS = [1, 3, 8]  # query heads per KV head
+# Every head dim with every block size, and each of those with every group size (pairwise, not all 36).
+DECODE_CASES = [
+    (head_dim, block_size, GROUPS[(i + j) % len(GROUPS)])
+    for i, head_dim in enumerate(HEAD_DIMS)
+    for j, block_size in enumerate(BLOCK_SIZES)
+]
+
+
+@pytest.mark.parametrize(("head_dim", "block_size", "group"), DECODE_CASES)
+def test_native_decode_equals_fp64_attention(isa: str, head_dim: int, block_size: int, group: int) -> None:
+    """Lengths that are multiples of nothing leave every vector loop a scalar tail; a full table reads the
+    last slot of every block."""
+    gen = torch.Generator().manual_seed(head_dim * 1000 + block_size * 10 + group)
+    width = -(-140 // block_size)
+    lens = [1, 17, 45, 131, width * block_size]
+    num_blocks = len(lens) * width + 1
+    shape = (KV_HEADS, num_blocks, block_size, head_dim)
+    caches = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    tables = block_tables(lens, width, block_size, num_blocks, gen)
+    q = torch.randn(len(lens), KV_HEADS * group, head_dim, generator=gen) * 1.5  # some peaked rows
+    scale = head_dim**-0.5
+    expected = [
+        reference_attention(
+            q[row : row + 1], cached(caches[0], table, n), cached(caches[1], table, n), scale
+        )[0]
+        for row, (table, n) in enumerate(zip(tables, lens))
+    ]
+    poison_unused(caches, tables, lens, float("nan"))
+
+    actual = native.paged_decode_attention(q, *caches, tables, torch.tensor(lens), scale)
+
+    assert actual.dtype == torch.float32
+    torch.testing.assert_close(actual.double(), torch.stack(expected), rtol=1e-5, atol=1e-5)
+
+
+def slots_of(table: torch.Tensor, start: int, stop: int, block_size: int) -> torch.Tensor:
+    t = torch.arange(start, stop)
+    return table[t // block_size] * block_size + t % block_size
+
+
+@pytest.mark.parametrize("native_decode", [True, False])
+@pytest.mark.parametrize(("head_dim", "group"), [(64, 1), (80, 3), (128, 8)])
+def test_ragged_batch_equals_fp64_attention(head_dim: int, group: int, native_decode: bool) -> None:
+    """Two decodes, a fresh prefill, and a chunk starting mid-sequence (45 tokens cached, mid-block),
+    in one flat batch as the model runner lays it out: each token's K and V land in its slot, and each
+    output attends to its own sequence up to its own position."""
+    block_size, width = 16, 8
+    gen = torch.Generator().manual_seed(head_dim + group)
+    decode_lens, fresh_len, context, chunk_len = [17, 1], 23, 45, 30
+    totals = [*decode_lens, fresh_len, context + chunk_len]
+    num_blocks = len(totals) * width + 1
+    heads = KV_HEADS * group
+    shape = (KV_HEADS, num_blocks, block_size, head_dim)
+    caches = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    tables = block_tables(totals, width, block_size, num_blocks, gen)
+    # The new tokens: each decode's last, the whole fresh prefill, the chunk after its context.
+    news = [(n - 1, n) for n in decode_lens] + [(0, fresh_len), (context, context + chunk_len)]
+    num_tokens = sum(stop - start for start, stop in news)
+    q = torch.randn(num_tokens, heads, head_dim, generator=gen) * 1.5
+    k = torch.randn(num_tokens, KV_HEADS, head_dim, generator=gen)
+    v = torch.randn(num_tokens, KV_HEADS, head_dim, generator=gen)
+    slots = torch.cat([slots_of(table, *new, block_size) for table, new in zip(tables, news)])
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        num_decodes=2,
+        decode_block_tables=tables[:2],
+        decode_seq_lens=torch.tensor(decode_lens),
+        decode_max_len=max(decode_lens),
+        prefills=[
+            PrefillChunk(2, fresh_len, 0, tables[2]),
+            PrefillChunk(2 + fresh_len, chunk_len, context, tables[3]),
+        ],
+        native_decode=native_decode,
+    )
+    scale = head_dim**-0.5
+    expected, start = [], 0
+    for table, (first, total) in zip(tables, news):
+        rows = slice(start, start + total - first)
+        # What the sequence holds once this step's tokens are in: the cached ones, then the new ones.
+        keys = torch.cat([cached(caches[0], table, first), k[rows]])
+        values = torch.cat([cached(caches[1], table, first), v[rows]])
+        expected.append(reference_attention(q[rows], keys, values, scale))
+        start = rows.stop
+    poison_unused(caches, tables, totals, float("nan") if native_decode else 1e4)
+
+    out = paged_attention(q, k, v, *caches, meta, scale)
+
+    torch.testing.assert_close(out.double(), torch.cat(expected), rtol=1e-5, atol=1e-5)
+    for cache, new in zip(caches, (k, v)):
+        assert torch.equal(cache.view(KV_HEADS, -1, head_dim)[:, slots].transpose(0, 1), new)
 
 
 def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -1,4 +1,14 @@
-"""A decode step through `decoder_step.c` computes what the PyTorch layers compute, cache writes included."""
+"""Our Llama's logits against the decoder written out here in fp64 (`Fp64Llama`) from gguf's reading of
+the same stored weights: decode steps through `decoder_step.c` (NativeDecoder) and through the PyTorch
+layers, prefills and chunked prefills through the PyTorch layers, for stored and dense weights. With
+int8 activations (`--quantization int8|int4`) the two decode paths are compared with each other.
+
+Tolerance of the fp32 paths: every row's max |logit error| <= 1e-4 x its max |logit| (and 1e-4 for the
+K and V written, of magnitude ~1). Each product sums at most 512 fp32 terms (unit roundoff 6e-8) and
+three layers compound them; the RoPE tables are fp32 too (an angle near 30 rad is rounded by up to
+2e-6). The errors measured stay under 5e-6; a wrong RoPE pairing or position, norm epsilon, attention
+scale, bias or head mapping each fails by far more.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +16,13 @@ import pytest
 import torch
 
 from llmserve.model_executor.attention import AttentionMetadata, PrefillChunk
+from llmserve.model_executor.kernels import native
 from llmserve.model_executor.layers.linear import BLOCK_ROWS, StoredKernel
 from llmserve.model_executor.layers.stored_weight import StoredTensor
-from llmserve.model_executor.models.llama import KVCache, LlamaForCausalLM
+from llmserve.model_executor.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
 from llmserve.model_executor.models.llama_config import LlamaConfig
 from llmserve.model_executor.models.native_decoder import NativeDecoder
+from tests.model_executor.fp64_llama import Fp64Llama, Weights
 from tests.model_executor.stored_weights import K_TYPES, Q, random_stored_tensor
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 200
@@ -18,7 +30,7 @@ BLOCK_SIZE, NUM_BLOCKS = 4, 200
 MIXED = {"v_proj": Q.Q6_K, "down_proj": Q.Q6_K, "q_proj": Q.Q4_K, "lm_head": Q.Q6_K}
 
 
-def tiny_config(attention_bias: bool) -> LlamaConfig:
+def tiny_config(attention_bias: bool, tied: bool = True) -> LlamaConfig:
     return LlamaConfig(
         architecture="Qwen2ForCausalLM" if attention_bias else "LlamaForCausalLM",
         vocab_size=96,
@@ -31,7 +43,7 @@ def tiny_config(attention_bias: bool) -> LlamaConfig:
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         max_position_embeddings=256,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         attention_bias=attention_bias,
     )
 
@@ -60,40 +72,65 @@ def checkpoint(config: LlamaConfig) -> dict[str, torch.Tensor]:
         for norm in ("input_layernorm", "post_attention_layernorm"):  # not all ones: a mix-up would show
             weights[f"{prefix}{norm}.weight"] = torch.rand(c.hidden_size) + 0.5
     weights["model.norm.weight"] = torch.rand(c.hidden_size) + 0.5
+    if not c.tie_word_embeddings:
+        weights["lm_head.weight"] = torch.randn(c.vocab_size, c.hidden_size) / c.hidden_size**0.5
     return weights
 
 
-def stored_model(attention_bias: bool, storage: str, quantization: str = "none") -> LlamaForCausalLM:
-    """A tiny random Llama keeping its 2-D weights as `storage` says: one GGML type's name for every
-    one, or "mixed" (`MIXED`, else Q4_K); then rounded as `quantization` asks, as the model runner does."""
-    config = tiny_config(attention_bias)
-    weights = []
+def stored_checkpoint(config: LlamaConfig, storage: str) -> Weights:
+    """The checkpoint with its 2-D weights stored as `storage` says: one GGML type's name for every one,
+    "mixed" (`MIXED`, else Q4_K), or "dense" (as fp32 tensors, for a model without stored weights)."""
+    weights: Weights = []
     for name, tensor in checkpoint(config).items():
-        if tensor.dim() == 2:
+        if tensor.dim() == 2 and storage != "dense":
             shard = name.split(".")[-2]
-            qtype = MIXED.get(shard, Q.Q4_K) if storage == "mixed" else Q[storage]
+            qtype = MIXED.get(shard, Q.Q4_K) if storage == "mixed" else Q.__members__[storage]
             if qtype in K_TYPES:  # gguf-py cannot round into these: random bits of the same magnitude
+                rows, cols = tensor.shape
                 scale = float(tensor.std())
-                tensor = random_stored_tensor(qtype, tensor.shape[0], tensor.shape[1], len(weights), scale)
+                weights.append((name, random_stored_tensor(qtype, rows, cols, len(weights), scale)))
             elif qtype == Q.F32:
-                tensor = StoredTensor.from_dense(tensor)
+                weights.append((name, StoredTensor.from_dense(tensor)))
             else:
-                tensor = StoredTensor.rounded(tensor, qtype)
-        weights.append((name, tensor))
-    model = LlamaForCausalLM(config, stored=True)
+                weights.append((name, StoredTensor.rounded(tensor, qtype)))
+        else:
+            weights.append((name, tensor))
+    return weights
+
+
+def load_model(config: LlamaConfig, weights: Weights, quantization: str = "none") -> LlamaForCausalLM:
+    """The model over these weights, rounded as `quantization` asks, as the model runner does."""
+    model = LlamaForCausalLM(config, stored=any(isinstance(t, StoredTensor) for _, t in weights))
     model.load_weights(weights)
     model.prepare_kernels(quantization)  # type: ignore[arg-type]
     return model.eval()
 
 
+def stored_model(attention_bias: bool, storage: str, quantization: str = "none") -> LlamaForCausalLM:
+    config = tiny_config(attention_bias)
+    return load_model(config, stored_checkpoint(config, storage), quantization)
+
+
+def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    error = (actual.double() - expected).abs().amax(-1) / expected.abs().amax(-1)
+    assert error.max() < 1e-4, error
+
+
+def cached(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """Positions [0, length) of a sequence from its block table → [length, kv_heads, d]."""
+    t = torch.arange(length)
+    return cache[:, table[t // BLOCK_SIZE], t % BLOCK_SIZE].transpose(0, 1)
+
+
+def slots_of(table: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    t = torch.arange(start, stop)
+    return table[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE
+
+
 def decode_metadata(lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
     """One new token per sequence, at position len - 1 of its block table."""
-    slots = [
-        int(tables[row, (n - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
-        for row, n in enumerate(lens)
-    ]
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
+        slot_mapping=torch.cat([slots_of(table, n - 1, n) for table, n in zip(tables, lens)]),
         num_decodes=len(lens),
         decode_block_tables=tables,
         decode_seq_lens=torch.tensor(lens),
@@ -120,44 +157,151 @@ def decode_metadata(lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
         (4, True, "BF16", "none"),
     ],
 )
-def test_native_decoder_matches_the_torch_layers(
+def test_decode_step_over_a_filled_cache(
     rows: int, attention_bias: bool, storage: str, quantization: str
 ) -> None:
-    model = stored_model(attention_bias, storage, quantization)
+    """One decode step over random cache contents, through decoder_step.c and through the PyTorch layers:
+    the fp64 decoder's logits, and its new K and V in their slots and nowhere else."""
+    config = tiny_config(attention_bias)
+    weights = stored_checkpoint(config, storage)
+    model = load_model(config, weights, quantization)
     assert model.native_decoder is not None
-    c = model.config
     gen = torch.Generator().manual_seed(rows)
-    shape = (c.num_key_value_heads, NUM_BLOCKS, BLOCK_SIZE, c.head_dim)
-    caches: list[KVCache] = [
-        (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in model.layers
-    ]
+    shape = (config.num_key_value_heads, NUM_BLOCKS, BLOCK_SIZE, config.head_dim)
+    before = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in model.layers]
     lens = [int(n) for n in torch.randint(1, 9 * BLOCK_SIZE, (rows,), generator=gen)]
     lens[0] = 1  # a first token attends only to itself
     # Scattered blocks, no two rows sharing one (each writes its new token's slot).
     tables = torch.randperm(NUM_BLOCKS, generator=gen)[: rows * 9].view(rows, 9)
     meta = decode_metadata(lens, tables)
-    ids = torch.randint(0, c.vocab_size, (rows,), generator=gen)
+    ids = torch.randint(0, config.vocab_size, (rows,), generator=gen)
     positions = torch.tensor(lens) - 1
-    plain_caches = [(k.clone(), v.clone()) for k, v in caches]
+    caches = [(k.clone(), v.clone()) for k, v in before]
+    plain_caches = [(k.clone(), v.clone()) for k, v in before]
 
-    with torch.inference_mode():
-        fast = model(ids, positions, caches, meta)
-        fused, model.native_decoder = model.native_decoder, None
-        plain = model(ids, positions, plain_caches, meta)
-        model.native_decoder = fused
+    fast = logits_of(model, model.native_decoder, ids, positions, caches, meta)
+    plain = logits_of(model, None, ids, positions, plain_caches, meta)
 
-    if quantization == "none":
-        torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-4)
-        for (k, v), (pk, pv) in zip(caches, plain_caches):
-            torch.testing.assert_close(k, pk, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(v, pv, rtol=1e-5, atol=1e-5)
-    else:  # the paths sum in other orders, and now and then an activation rounds to the next int8 step
+    if quantization != "none":  # the paths sum in other orders, and an activation may round a step apart
         pairs = [(fast, plain)] + [
             pair for (k, v), (pk, pv) in zip(caches, plain_caches) for pair in ((k, pk), (v, pv))
         ]
         for a, b in pairs:
             error = (a - b).flatten(0, -2).norm(dim=-1) / b.flatten(0, -2).norm(dim=-1)
             assert error.median() < 1e-5 and error.max() < 5e-2
+        return
+    ref = Fp64Llama(config, weights)
+    expected, new_kv = [], []
+    for row, (table, n) in enumerate(zip(tables, lens)):
+        past = [(cached(k, table, n - 1), cached(v, table, n - 1)) for k, v in before]
+        logits, kv = ref.forward(ids[row : row + 1], n - 1, past)
+        expected.append(logits)
+        new_kv.append(kv)
+    for logits in (fast, plain):
+        assert_logits_close(logits, torch.cat(expected))
+    for result in (caches, plain_caches):
+        for layer, pair in enumerate(result):
+            for i, (cache, old) in enumerate(zip(pair, before[layer])):
+                flat, old_flat = cache.view(shape[0], -1, shape[-1]), old.view(shape[0], -1, shape[-1])
+                written = torch.cat([kv[layer][i] for kv in new_kv]).transpose(0, 1)  # [kv_heads, rows, d]
+                torch.testing.assert_close(flat[:, meta.slot_mapping].double(), written, rtol=1e-4, atol=1e-4)
+                flat[:, meta.slot_mapping] = old_flat[:, meta.slot_mapping]
+                assert torch.equal(cache, old), "a write outside this step's slots"
+
+
+def logits_of(
+    model: LlamaForCausalLM,
+    decoder: NativeDecoder | None,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    caches: list[KVCache],
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """The model's logits with `decoder` as its native decoder for this step."""
+    fused, model.native_decoder = model.native_decoder, decoder
+    try:
+        with torch.inference_mode():
+            return model.compute_logits(model(ids, positions, caches, meta))
+    finally:
+        model.native_decoder = fused
+
+
+def step_metadata(
+    step: list[tuple[int, int]], tables: torch.Tensor, native_decode: bool
+) -> tuple[AttentionMetadata, list[int]]:
+    """One step in which each sequence (row of `tables`) computes its positions [start, stop), laid out
+    as the model runner lays out the flat batch: the single tokens (decodes) first, then the prefill
+    chunks. Also returns the sequences in that order."""
+    decodes = [row for row, (start, stop) in enumerate(step) if stop - start == 1]
+    order = decodes + [row for row in range(len(step)) if row not in decodes]
+    prefills, query_start = [], len(decodes)
+    for row in order[len(decodes) :]:
+        start, stop = step[row]
+        prefills.append(PrefillChunk(query_start, stop - start, start, tables[row]))
+        query_start += stop - start
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat([slots_of(tables[row], *step[row]) for row in order]),
+        num_decodes=len(decodes),
+        decode_block_tables=tables[decodes],
+        decode_seq_lens=torch.tensor([step[row][1] for row in decodes], dtype=torch.int64),
+        decode_max_len=max([step[row][1] for row in decodes], default=0),
+        prefills=prefills,
+        native_decode=native_decode,
+    )
+    return meta, order
+
+
+# (storage, attention_bias, tied); the stored ones under every instruction-set build, for decoder_step.c's
+# own code (the dense ones run no C).
+SEQUENCE_CASES = [
+    ("dense", False, True),
+    ("dense", True, False),
+    ("F32", True, True),
+    ("Q8_0", False, False),  # its own lm_head, stored
+    ("mixed", True, True),
+    ("BF16", False, True),
+]
+
+
+@pytest.mark.parametrize(
+    ("isa", "storage", "attention_bias", "tied"),
+    [
+        (isa, *case)
+        for case in SEQUENCE_CASES
+        for isa in (native.supported_isas() if case[0] != "dense" else native.supported_isas()[:1])
+    ],
+)
+def test_prefill_chunks_then_decodes(
+    monkeypatch: pytest.MonkeyPatch, isa: str, storage: str, attention_bias: bool, tied: bool
+) -> None:
+    """Two sequences through three steps into an empty cache: a fresh prefill of each, one of them in two
+    chunks (the second mid-block, after 13 cached tokens, in a batch with the other's first decode), then
+    a decode of both (through decoder_step.c where the weights are stored): every logit the fp64 decoder
+    gives for the whole sequences."""
+    monkeypatch.setenv("LLMSERVE_CPU_ISA", isa)
+    config = tiny_config(attention_bias, tied)
+    weights = stored_checkpoint(config, storage)
+    model = load_model(config, weights)
+    native_decode = storage != "dense"  # as the model runner sets it
+    assert (model.native_decoder is not None) == native_decode
+    gen = torch.Generator().manual_seed(len(storage))
+    tokens = [torch.randint(0, config.vocab_size, (n,), generator=gen) for n in (30, 12)]
+    ref = Fp64Llama(config, weights)
+    expected = [ref.forward(seq, 0)[0] for seq in tokens]
+    tables = torch.randperm(NUM_BLOCKS, generator=gen)[:20].view(2, 10)
+    shape = (config.num_key_value_heads, NUM_BLOCKS, BLOCK_SIZE, config.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in model.layers]
+    steps = [[(0, 13), (0, 10)], [(13, 29), (10, 11)], [(29, 30), (11, 12)]]
+    for number, step in enumerate(steps):
+        meta, order = step_metadata(step, tables, native_decode)
+        ids = torch.cat([tokens[row][slice(*step[row])] for row in order])
+        positions = torch.cat([torch.arange(*step[row]) for row in order])
+        want = torch.cat([expected[row][slice(*step[row])] for row in order])
+        # The last step both through decoder_step.c and through the layers, each from the same cache.
+        decoders = [model.native_decoder, None] if number == 2 and native_decode else [None]
+        for decoder in decoders:
+            step_caches = [(k.clone(), v.clone()) for k, v in caches] if len(decoders) > 1 else caches
+            assert_logits_close(logits_of(model, decoder, ids, positions, step_caches, meta), want)
 
 
 def test_steps_with_a_prefill_keep_the_torch_path() -> None:
@@ -178,11 +322,14 @@ def test_only_a_model_stored_alike_by_every_projection_gets_one() -> None:
     assert NativeDecoder.applies_to(model)
     assert NativeDecoder(model).spec.block_rows == 0  # fp32 activations: weight_gemm.c at every size
     assert NativeDecoder(stored_model(False, "F32", "int4")).spec.block_rows == BLOCK_ROWS
-    down = model.layers[1].mlp.down_proj
-    down.kernel = lambda x: x  # one projection without a stored weight
+    layer = model.layers[1]
+    assert isinstance(layer, LlamaDecoderLayer)
+    layer.mlp.down_proj.kernel = lambda x: x  # one projection without a stored weight
     assert not NativeDecoder.applies_to(model)
     model = stored_model(False, "F32", "int8")
-    kernel = model.layers[0].mlp.down_proj.kernel
+    layer = model.layers[0]
+    assert isinstance(layer, LlamaDecoderLayer)
+    kernel = layer.mlp.down_proj.kernel
     assert isinstance(kernel, StoredKernel)
     kernel.int8_activations = False  # activations rounded in all projections but one
     assert not NativeDecoder.applies_to(model)
