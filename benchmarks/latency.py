@@ -1,9 +1,10 @@
 """Latency: streaming TTFT / time per output token through `AsyncLLM` at several concurrencies, the cost
 of the process hop (core in its own process vs in-process), and single-stream decode speed with the
-memory bandwidth it achieves against this machine's measured peak.
+memory bandwidth it achieves against this machine's measured peak; `--only prefill` (not part of the
+default run) times one prompt at each --prefill-lens to its first token.
 
     .venv/bin/python -m benchmarks.latency                 # everything
-    .venv/bin/python -m benchmarks.latency --only decode   # one section: async, hop or decode
+    .venv/bin/python -m benchmarks.latency --only decode   # one section: async, hop, decode or prefill
     .venv/bin/python -m benchmarks.latency --only decode --dtypes float32 --quantizations none fp16
 
 Decode runs once per --dtypes x --quantizations pair the engine accepts; with --llama-batched-bench BIN,
@@ -11,6 +12,7 @@ llama.cpp decodes the same lengths on the same GGUF, one sequence, and its rate 
 to it are printed beside ours. A GGUF's Q4_1/Q8_0 blocks are
 read directly at one sequence when the engine can, so the bytes per token (and the formats) are counted
 from the kernels the engine chose; another GGUF quantization is measured by passing its file as --model.
+With --llama-batched-bench the prefill section runs llama.cpp's one-sequence S_PP at the same lengths.
 """
 
 from __future__ import annotations
@@ -214,6 +216,50 @@ def llama_cpp_decode(args: argparse.Namespace, variants: dict[str, Any]) -> floa
     return theirs
 
 
+def prefill_rate(llm: LLM, length: int) -> float:
+    """Prompt tokens/s of one prompt of `length` tokens to its first token, median of three runs; each
+    run's prompt is new, so no prefix is cached."""
+    rng = random.Random(length)
+    llm.generate(TokensPrompt(prompt_token_ids=[100] * 8), SamplingParams(max_tokens=1), use_tqdm=False)
+    rates = []
+    for _ in range(3):
+        prompt = TokensPrompt(prompt_token_ids=[rng.randrange(100, 20000) for _ in range(length)])
+        start = time.perf_counter()
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        rates.append(length / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def prefill_section(args: argparse.Namespace) -> dict[str, object]:
+    """One prompt at each --prefill-lens, per dtype x quantization; with --llama-batched-bench, llama.cpp's
+    S_PP for one sequence of the same lengths on the same GGUF, in the same run."""
+    print(f"single-prompt prefill, {args.prefill_lens} tokens")
+    variants: dict[str, dict[str, float]] = {}
+    for dtype, quantization in itertools.product(args.dtypes, args.quantizations):
+        name = dtype if quantization == "none" else f"{dtype}, {quantization}"
+        try:
+            llm = LLM(model=args.model, dtype=dtype, quantization=quantization, multiprocess=False)
+        except ValueError as e:
+            print(f"  {name:>16}: skipped: {e}")
+            continue
+        variants[name] = {str(n): prefill_rate(llm, n) for n in args.prefill_lens}
+        llm.shutdown()
+        print(f"  {name:>16}: " + ", ".join(f"{n}: {r:.1f} tok/s" for n, r in variants[name].items()))
+    results: dict[str, object] = {"model": args.model, "lengths": args.prefill_lens, "dtypes": variants}
+    gguf = gguf_of(args.model)
+    if args.llama_batched_bench and gguf:
+        theirs: dict[str, float | str] = {}
+        for n in args.prefill_lens:
+            rows = run_batched_bench(args.llama_batched_bench, gguf, [1], n, 1)
+            theirs[str(n)] = rows if isinstance(rows, str) else rows[0].prompt_tok_per_s
+        print(
+            "  llama.cpp (llama-batched-bench S_PP, 1 sequence): "
+            + ", ".join(f"{n}: {r}" for n, r in theirs.items())
+        )
+        results["llama_batched_bench_tok_per_s"] = theirs
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -229,7 +275,8 @@ def main() -> None:
         default=True,
         help="--no-native-kernels: PyTorch ops only (no GGUF blocks read directly)",
     )
-    parser.add_argument("--only", choices=["async", "hop", "decode"])
+    parser.add_argument("--prefill-lens", type=int, nargs="+", default=[128, 512], help="prompt tokens")
+    parser.add_argument("--only", choices=["async", "hop", "decode", "prefill"])
     parser.add_argument("--llama-batched-bench", type=executable, default=None, help="llama.cpp's binary")
     add_json_arg(parser)
     args = parser.parse_args()
@@ -241,6 +288,8 @@ def main() -> None:
         results["hop"] = hop_section(args)
     if args.only in (None, "decode"):
         results["decode"] = decode_section(args)
+    if args.only == "prefill":
+        results["prefill"] = prefill_section(args)
     write_results(args.json, "benchmarks.latency", results, load)
 
 
