@@ -26,7 +26,8 @@ class EngineCore:
         self.model_runner = ModelRunner(config.model_config, llama_config, source)
         block_size = config.cache_config.block_size
         budget = kv_cache_budget(self.model_runner.device, config.cache_config.kv_cache_memory)
-        num_blocks = budget // self.model_runner.kv_cache_bytes_per_block(block_size)
+        block_bytes = self.model_runner.kv_cache_bytes_per_block(block_size)
+        num_blocks = budget // block_bytes
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory ({budget} bytes) is too small for one KV block of {block_size} tokens."
@@ -42,7 +43,7 @@ class EngineCore:
             vocab_size=llama_config.vocab_size,
         )
         self.model_runner.initialize_kv_cache(num_blocks, block_size)
-        _log_memory(self.model_runner, self.limits, budget)
+        _log_memory(self.model_runner, self.limits, num_blocks * block_bytes)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, config.cache_config.enable_prefix_caching
         )
@@ -65,8 +66,8 @@ class EngineCore:
 
 
 def _log_memory(runner: ModelRunner, limits: ResolvedLimits, kv_bytes: int) -> None:
-    """What the engine holds, as vLLM reports it: weights, the KV pool, and how many requests of the
-    full context length fit in it at once."""
+    """What the engine holds, as vLLM reports it: weights, the KV pool (`kv_bytes`: its whole blocks,
+    not the budget they were cut from), and how many requests of the full context length fit in it."""
     tokens = limits.num_kv_blocks * limits.block_size
     logger.info("Model weights take %.2f GiB.", runner.model.weight_bytes() / 2**30)
     logger.info(

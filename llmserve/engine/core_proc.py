@@ -8,6 +8,7 @@ arguments, is pickled.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import shutil
@@ -34,6 +35,7 @@ from llmserve.engine.messages import (
 )
 
 PROCESS_TITLE = "llmserve::EngineCore"
+LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"  # `llmserve serve`'s, and the core's with it
 PARENT_POLL_S = 0.5  # how often the core checks that the process that started it is still there
 LINGER_MS = 1000  # how long closing waits for unsent outputs, so the last error reaches the front end
 
@@ -61,9 +63,21 @@ def ipc_addresses(ipc_dir: str) -> tuple[str, str]:
     return f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output"
 
 
-def run_engine_core(config: EngineConfig, ipc_dir: str, parent_pid: int) -> None:
-    """Entry point of the spawned process: exits 0 after a shutdown request, 1 after a failure."""
+def front_end_log_level() -> int | None:
+    """The level of llmserve's log lines in this process where logging is configured (the root logger
+    has a handler), for the core process to follow; None where it is not."""
+    return logging.getLogger("llmserve").getEffectiveLevel() if logging.getLogger().handlers else None
+
+
+def run_engine_core(
+    config: EngineConfig, ipc_dir: str, parent_pid: int, log_level: int | None = None
+) -> None:
+    """Entry point of the spawned process: exits 0 after a shutdown request, 1 after a failure. A spawned
+    process starts with logging unconfigured, which would drop the start-up lines (memory, kernels), so
+    it logs at the front end's `log_level` where that has one."""
     setproctitle.setproctitle(PROCESS_TITLE)
+    if log_level is not None:
+        logging.basicConfig(level=log_level, format=LOG_FORMAT)
     # Ctrl-C reaches the whole process group; the front end owns it and shuts this process down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(parent_pid, ipc_dir), daemon=True).start()

@@ -24,7 +24,7 @@ import zmq
 
 from llmserve.config import EngineConfig, ResolvedLimits
 from llmserve.engine.core_client import EngineCoreClient
-from llmserve.engine.core_proc import ipc_addresses, make_socket, run_engine_core
+from llmserve.engine.core_proc import front_end_log_level, ipc_addresses, make_socket, run_engine_core
 from llmserve.engine.exceptions import EngineDeadError
 from llmserve.engine.messages import (
     EngineCoreEventType,
@@ -67,7 +67,7 @@ class _CoreProcess:
             raise
         self.proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
-            args=(config, self.ipc_dir, os.getpid()),
+            args=(config, self.ipc_dir, os.getpid(), front_end_log_level()),
             name="EngineCore",
             daemon=True,  # multiprocessing's own exit hook terminates it too
         )

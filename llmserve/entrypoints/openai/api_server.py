@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from llmserve import __version__
 from llmserve.config import EngineArgs
 from llmserve.engine.async_llm import AsyncLLM
+from llmserve.engine.core_proc import LOG_FORMAT
 from llmserve.engine.exceptions import EngineDeadError
 from llmserve.entrypoints.openai.disconnect import cancel_on_disconnect
 from llmserve.entrypoints.openai.errors import OpenAIError, engine_dead, install_error_handlers
@@ -197,7 +198,7 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 def run_server(engine_args: EngineArgs, args: ServerArgs) -> None:
     """`llmserve serve`. SIGTERM ends it like SIGINT: uvicorn catches both while serving, and re-raises
     them once it has stopped, which unwinds through `serve`'s cleanup."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     signal.signal(signal.SIGTERM, _interrupt)
     if engine_args.multiprocess:
         configure_front_end_threads()

@@ -1,0 +1,62 @@
+"""What the engine core logs at start-up, against numbers worked out here from the model's files: the
+README promises these lines (as vLLM prints them), and deployments are sized by them."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from llmserve.model_executor.kernels import native
+from tests.engine.test_llm_batching import core_of, make_llm
+
+BLOCK_SIZE = 16  # CacheConfig's default
+MAX_MODEL_LEN = 768
+
+
+def logged(caplog: pytest.LogCaptureFixture, start: str) -> logging.LogRecord:
+    """The one record whose message starts with `start`; its args carry the unrounded numbers."""
+    records = [r for r in caplog.records if r.getMessage().startswith(start)]
+    assert len(records) == 1, [r.getMessage() for r in caplog.records]
+    return records[0]
+
+
+def test_start_up_logs_weights_kv_pool_concurrency_and_kernel_build(
+    tiny_llama_hf_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LLMSERVE_CPU_ISA", raising=False)
+    native._load.cache_clear()  # a core process loads (and logs) its build once; this one already may have
+    caplog.set_level(logging.INFO, logger="llmserve")
+    budget = (8 << 20) + 5000  # no whole number of blocks: the pool is the whole blocks, not the budget
+    llm = make_llm(tiny_llama_hf_dir, kv_cache_memory=budget, max_model_len=MAX_MODEL_LEN)
+    try:
+        runner = core_of(llm).model_runner
+        pool_bytes = sum(t.nbytes for pair in runner.kv_caches for t in pair)
+    finally:
+        llm.shutdown()
+
+    config = json.loads((tiny_llama_hf_dir / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    block_bytes = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * BLOCK_SIZE * 4
+    blocks = budget // block_bytes
+    tokens = blocks * BLOCK_SIZE
+    with safe_open(str(tiny_llama_hf_dir / "model.safetensors"), "pt") as f:
+        file_bytes = sum(f.get_tensor(k).nbytes for k in f.keys())  # noqa: SIM118 (not a dict)
+
+    assert (
+        logged(caplog, "Native kernels:").getMessage()
+        == f"Native kernels: {native.supported_isas()[0]} build."
+    )
+    weights = logged(caplog, "Model weights take")
+    assert weights.args == (pytest.approx(file_bytes / 2**30),)  # each weight once, as stored
+    kv = logged(caplog, "KV cache:")
+    assert pool_bytes == blocks * block_bytes
+    assert kv.args == (pytest.approx(pool_bytes / 2**30), blocks, BLOCK_SIZE, tokens)
+    assert kv.getMessage().endswith(f"{blocks} blocks of {BLOCK_SIZE} tokens ({tokens} tokens).")
+    concurrency = logged(caplog, "Maximum concurrency")
+    assert concurrency.getMessage() == (
+        f"Maximum concurrency for {MAX_MODEL_LEN} tokens per request: {tokens / MAX_MODEL_LEN:.2f}x"
+    )
