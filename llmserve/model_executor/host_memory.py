@@ -42,7 +42,8 @@ def empty_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def populate(tensors: list[torch.Tensor]) -> bool:
     """Faults in every page of the CPU tensors, keeping their contents. Returns False where the kernel
-    cannot (before Linux 5.14): their pages then come as they are first written."""
+    cannot (before Linux 5.14): their pages then come as they are first written. Stops early once the
+    main thread has ended, since the process is exiting."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = mmap.PAGESIZE
@@ -53,23 +54,30 @@ def populate(tensors: list[torch.Tensor]) -> bool:
         # at a time, since the kernel holds the process's memory map meanwhile, which the engine's own
         # mappings (every large tensor it allocates) wait for.
         for chunk in range(start, end, _CHUNK):
+            if not threading.main_thread().is_alive():
+                return True
             if libc.madvise(chunk, min(_CHUNK, end - chunk), _MADV_POPULATE_WRITE) != 0:
                 return False
     return True
 
 
 def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread:
-    """`populate` on a daemon thread at the lowest priority; logs how long it took."""
+    """`populate` on a thread at the lowest priority; logs how long it took.
+
+    Not a daemon: one that drops the last reference to the pool while the interpreter finalizes aborts
+    the process (torch's buffer deleter is unwound by the thread's forced exit: "terminate called
+    without an active exception"). The interpreter waits for it instead, a chunk at most, since
+    `populate` stops once the main thread has ended."""
 
     def run() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         start = time.perf_counter()
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        if populate(tensors):
-            logger.info("KV cache resident: %.2f GiB in %.1f s.", nbytes / 2**30, time.perf_counter() - start)
-        else:
+        if not populate(tensors):
             logger.info("KV cache pages come as they are first written (no MADV_POPULATE_WRITE here).")
+        elif threading.main_thread().is_alive():  # else cut short: the process is exiting
+            logger.info("KV cache resident: %.2f GiB in %.1f s.", nbytes / 2**30, time.perf_counter() - start)
 
-    thread = threading.Thread(target=run, name="kv-cache-populate", daemon=True)
+    thread = threading.Thread(target=run, name="kv-cache-populate", daemon=False)
     thread.start()
     return thread
