@@ -43,6 +43,18 @@ class PrometheusStatLogger:
         self.generation_tokens = Counter(
             "llmserve:generation_tokens", "Tokens generated.", labels, registry=r
         )
+        self.prefix_cache_queries = Counter(
+            "llmserve:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            labels,
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "llmserve:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            labels,
+            registry=r,
+        )
         self.request_success = Counter(
             "llmserve:request_success",
             "Finished requests, by finish reason.",
@@ -70,9 +82,18 @@ class PrometheusStatLogger:
             buckets=E2E_BUCKETS,
             registry=r,
         )
-        for reason in FINISH_REASONS:  # present (at 0) from the start, so rates work from the first scrape
+        # `SchedulerStats`' fields that the core counts since it started: each counter takes the increase.
+        self._from_core = {
+            "num_preemptions": self.preemptions,
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+        }
+        self._core_seen = dict.fromkeys(self._from_core, 0)
+        # Present (at 0) from the start, so rates work from the first scrape.
+        for counter in (*self._from_core.values(), self.prompt_tokens, self.generation_tokens):
+            counter.labels(model_name)
+        for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
-        self._preemptions_seen = 0
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats) -> None:
         name = self.model_name
@@ -80,11 +101,11 @@ class PrometheusStatLogger:
             self.running.labels(name).set(scheduler_stats.num_running_reqs)
             self.waiting.labels(name).set(scheduler_stats.num_waiting_reqs)
             self.kv_cache_usage.labels(name).set(scheduler_stats.kv_cache_usage)
-            # The core counts preemptions since it started; the counter takes the increase.
-            new = scheduler_stats.num_preemptions - self._preemptions_seen
-            if new > 0:
-                self.preemptions.labels(name).inc(new)
-                self._preemptions_seen = scheduler_stats.num_preemptions
+            for field, counter in self._from_core.items():
+                total = getattr(scheduler_stats, field)
+                if total > self._core_seen[field]:
+                    counter.labels(name).inc(total - self._core_seen[field])
+                    self._core_seen[field] = total
         self.prompt_tokens.labels(name).inc(iteration_stats.num_prompt_tokens)
         self.generation_tokens.labels(name).inc(iteration_stats.num_generation_tokens)
         ttft, itl, e2e = self.ttft.labels(name), self.itl.labels(name), self.e2e.labels(name)

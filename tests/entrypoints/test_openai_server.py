@@ -377,6 +377,33 @@ def _metric(text: str, name: str) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
+def test_metrics_count_prompt_tokens_and_prefix_cache_hits(
+    server: RemoteServer, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """One prompt twice: each adds its tokens to the prompt and prefix-cache query counters; the second
+    finds every whole block but the last token's cached (block size 16: the server's default)."""
+    prompt = "Prefix caching test: " + " ".join(f"word{i}" for i in range(60))
+    n = len(tokenizer.encode(prompt))
+    names = ("prompt_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total")
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+
+        def counters() -> list[float]:
+            text = http.get("/metrics").text
+            assert _metric(text, "num_preemptions_total") >= 0  # exposed from the start
+            assert _metric(text, "num_requests_running") == _metric(text, "num_requests_waiting") == 0
+            return [_metric(text, name) for name in names]
+
+        before = counters()
+        deltas = []
+        for _ in range(2):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+            assert http.post("/v1/completions", json=body).json()["usage"]["prompt_tokens"] == n
+            after = counters()
+            deltas.append([a - b for a, b in zip(after, before, strict=True)])
+            before = after
+    assert deltas == [[n, n, 0], [n, n, (n - 1) // 16 * 16]]
+
+
 async def test_50_concurrent_streams_10_disconnect(server: RemoteServer) -> None:
     """The 40 that stay get all their tokens; the 10 that leave (asking for many tokens) and one
     non-streaming request that leaves are aborted: nothing runs afterwards and the KV cache is empty."""
