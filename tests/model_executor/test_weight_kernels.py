@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -138,3 +140,32 @@ def test_forcing_an_isa_the_cpu_lacks_is_an_error(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("LLMSERVE_CPU_ISA", "avx1024")
     with pytest.raises(ValueError, match="LLMSERVE_CPU_ISA"):
         native.load_library()
+
+
+def test_the_best_build_the_cpu_runs_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Here, by the code the compiler emitted; and on an AVX2-only CPU (its flags stood in), by name."""
+    monkeypatch.delenv("LLMSERVE_CPU_ISA", raising=False)
+    library = native.load_library()
+    assert library is not None, "the C kernels must build here"
+    assert native.selected_isa() == native.supported_isas()[0]
+    assert native.library_isa(library) == native.supported_isas()[0]
+
+    flags = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "movbe"})
+    monkeypatch.setattr(native, "cpu_flags", lambda: flags)
+    native.supported_isas.cache_clear()
+    try:
+        assert native.supported_isas() == ("avx2", "generic")
+        assert native.selected_isa() == "avx2"
+        monkeypatch.setenv("LLMSERVE_CPU_ISA", "avx512")
+        with pytest.raises(ValueError, match="this CPU runs avx2, generic"):
+            native.selected_isa()
+    finally:
+        native.supported_isas.cache_clear()  # the real flags again, once monkeypatch restores them
+
+
+def test_a_forced_isa_loads_that_build(isa: str) -> None:
+    """`LLMSERVE_CPU_ISA` (set by the fixture) picks the file, and the file holds that build's code."""
+    library = native.load_library()
+    assert library is not None and native.selected_isa() == isa
+    assert native.library_isa(library) == isa
+    assert Path(library._name).name.startswith(f"llmserve_kernels-{isa}-")

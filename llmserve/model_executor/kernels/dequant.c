@@ -9,6 +9,20 @@
 
 #include "dequant.h"
 
+/* The instruction set this library was compiled for, as native.py's ISAS names it: what the compiler
+ * enabled, not what the file is called, so the tests can check that a forced build is the one loaded. */
+const char *kernels_isa(void)
+{
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512CD__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VL__)
+    return "avx512";
+#elif defined(USE_AVX2)
+    return "avx2";
+#else
+    return "generic";
+#endif
+}
+
 int64_t row_bytes(int qtype, int64_t k)
 {
     const int64_t bytes = block_bytes(qtype), weights = block_weights(qtype);

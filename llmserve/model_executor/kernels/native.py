@@ -90,6 +90,7 @@ def _load(isa: str) -> ctypes.CDLL | None:
         logger.warning("Native kernels unavailable (%s %s); using PyTorch's.", error, detail.decode())
         return None
     logger.info("Native kernels: %s build.", isa)
+    library.kernels_isa.restype = ctypes.c_char_p
     library.paged_decode_attention.argtypes = [_PTR] * 6 + [_I64] * 7 + [ctypes.c_float, ctypes.c_int]
     library.paged_decode_attention.restype = ctypes.c_int
     library.block_gemv.argtypes = [_PTR, _I64, _I64, ctypes.POINTER(Weight), _I64, _PTR, ctypes.c_int]
@@ -126,6 +127,11 @@ def _build(isa: str) -> Path:
         subprocess.run(command, check=True, capture_output=True)
         os.replace(partial, target)  # atomic: concurrent builders each install a whole library
     return target
+
+
+def library_isa(library: ctypes.CDLL) -> str:
+    """The instruction set `library` was compiled for, as the compiler's macros in it say."""
+    return str(library.kernels_isa().decode())
 
 
 def _library() -> ctypes.CDLL:
