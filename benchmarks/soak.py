@@ -156,6 +156,26 @@ def idle_metrics(base_url: str, wait_s: float = 10.0) -> dict[str, float]:
         time.sleep(0.5)
 
 
+def memory_growth(samples: list[Sample]) -> float:
+    """Resident memory's growth from the first sample after the warm-up requests to the last: what
+    the server allocates once (pools, caches, the allocator's arenas) it has allocated by then."""
+    first = next(s for s in samples if s.completed >= WARMUP_REQUESTS)
+    return samples[-1].rss / first.rss - 1
+
+
+def failures(growth: float, tolerance: float, errors: list[str], gauges: dict[str, float]) -> list[str]:
+    """Why the run fails, or nothing when it passes: memory grew more than `tolerance`, a request met
+    an unexpected answer, or requests are still running or waiting once the server is idle."""
+    reasons = []
+    if growth > tolerance:
+        reasons.append(f"resident memory grew {growth:+.1%}, more than {tolerance:.0%}")
+    if errors:
+        reasons.append(f"unexpected answers: {len(errors)}")
+    if any(gauges.values()):
+        reasons.append(f"requests left in the server: {gauges}")
+    return reasons
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -185,7 +205,7 @@ def main() -> None:
         gauges = idle_metrics(url)
     duration = time.perf_counter() - start
     first, last = samples[0], samples[-1]
-    growth = last.rss / first.rss - 1
+    growth = memory_growth(samples)
     for error in sorted(set(errors))[:10]:
         print(f"request failed: {error}", file=sys.stderr)
     print(f"{args.num_requests} requests in {duration:.0f} s; resident {first.rss / 2**20:.1f} MiB after "
@@ -206,8 +226,9 @@ def main() -> None:
         },
         foreign_load,
     )
-    if growth > args.tolerance or errors or any(gauges.values()):
-        sys.exit(1)
+    reasons = failures(growth, args.tolerance, errors, gauges)
+    if reasons:
+        sys.exit("soak failed: " + "; ".join(reasons))
 
 
 if __name__ == "__main__":
