@@ -89,10 +89,11 @@ def batched_bench_rows(doc: dict[str, Any]) -> list[Row]:
             peer = f"{name}: skipped"
         else:
             out, tg = theirs["output_tok_per_s"], theirs["gen_tok_per_s"]
-            peer = f"{name}: {out:.1f} tok/s ({ours / out:.2f}×); decode alone (S_TG) {tg:.1f} tok/s"
+            peer = f"{name}: {out:.1f} tok/s ({ours / out:.2f}×); decode phase (S_TG) {tg:.1f} tok/s"
             if our_tg is not None:
                 peer += f", ours {our_tg:.1f} ({our_tg / tg:.2f}×)"
-        sizes = f"{level['sequences']} prompts of {bench['prompt_len']} tokens, {bench['output_len']} out"
+        count = f"{level['sequences']} prompt{'s' if level['sequences'] != 1 else ''}"
+        sizes = f"{count} of {bench['prompt_len']} tokens, {bench['output_len']} out"
         what = f"offline, {sizes} (llama-batched-bench's shape)"
         rows.append((what, doc["command"], f"{ours:.1f} tok/s", peer))
     return rows
@@ -156,6 +157,8 @@ def prefix_rows(doc: dict[str, Any]) -> list[Row]:
         f"TTFT p50 {on['ttft_p50_ms']:.0f} ms cached vs {off['ttft_p50_ms']:.0f} ms uncached "
         f"({on['ttft_p50_ms'] / off['ttft_p50_ms']:.2f}, target ≤ 0.33); hit rate {on['hit_rate']:.0%}"
     )
+    if "identical_outputs" in r:
+        figure += f"; outputs identical in {r['identical_outputs']} of {r['num_requests']}"
     return [(what, doc["command"], figure, "—")]
 
 

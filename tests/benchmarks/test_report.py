@@ -92,9 +92,9 @@ def test_batched_bench_levels_follow_the_throughput_rows() -> None:
     throughput = {"input": [32, 512], "output_len": 128, "workloads": [], "llama_batched_bench": bench}
     rows = report.throughput_rows(doc("throughput", throughput))
     assert [(what, ours, peers) for what, _, ours, peers in rows] == [
-        ("offline, 1 prompts of 128 tokens, 128 out (llama-batched-bench's shape)", "45.5 tok/s",
+        ("offline, 1 prompt of 128 tokens, 128 out (llama-batched-bench's shape)", "45.5 tok/s",
          "llama.cpp `llama-batched-bench`: 91.0 tok/s (0.50×); "
-         "decode alone (S_TG) 182.0 tok/s, ours 91.0 (0.50×)"),
+         "decode phase (S_TG) 182.0 tok/s, ours 91.0 (0.50×)"),
         ("offline, 64 prompts of 128 tokens, 128 out (llama-batched-bench's shape)", "171.0 tok/s",
          "llama.cpp `llama-batched-bench`: skipped"),
     ]  # fmt: skip
