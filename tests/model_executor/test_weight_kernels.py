@@ -112,9 +112,11 @@ def test_parts_of_different_types_stack(isa: str) -> None:
     assert_product_close(y, x, w)
 
 
-def test_a_rows_result_does_not_depend_on_its_batch(isa: str) -> None:
-    raw = stored(Q.Q4_K, 50, 768)
-    weight, keep = one_part(raw, Q.Q4_K)
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
+def test_a_rows_result_does_not_depend_on_its_batch(isa: str, qtype: Q) -> None:
+    """Bit for bit, alone or among 97 rows, on one thread or all: what the README promises."""
+    raw = stored(qtype, 50, 768)
+    weight, keep = one_part(raw, qtype)
     x = torch.randn(97, 768)
     whole = native.weight_gemm(x, weight, 50)
     for at in (0, 5, 96):
