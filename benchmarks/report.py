@@ -8,7 +8,8 @@ so that every figure there was printed by a script, with the command that printe
     .venv/bin/python -m benchmarks.report --from benchmarks/results   # rewrite from existing files
 
 The benchmarks run one after another (never two at once: they would share the cores), each with its
-defaults plus `--json DIR/NAME.json`. The table replaces what lies between the markers
+defaults plus `--json DIR/NAME.json`; the table is built from every results file in DIR, so `--only`
+refreshes some rows and keeps the others. The table replaces what lies between the markers
 `<!-- results:start -->` and `<!-- results:end -->`; nothing outside them changes.
 """
 
@@ -45,7 +46,7 @@ def run_benchmarks(names: list[str], out: Path, args: argparse.Namespace) -> Non
             extra += ["--compare-llama-cpp"]
         if name == "throughput" and args.vllm_python:
             extra += ["--vllm-python", args.vllm_python]
-        if name == "throughput" and args.llama_batched_bench:
+        if name in ("throughput", "latency") and args.llama_batched_bench:
             extra += ["--llama-batched-bench", args.llama_batched_bench]
         if name == "serving" and args.llama_server:
             extra += ["--llama-server", args.llama_server]
@@ -137,7 +138,8 @@ def serving_rows(doc: dict[str, Any]) -> list[Row]:
     rows = []
     for level in doc["results"]["levels"]:
         w, (ours, *peers) = level["workload"], level["reports"]
-        what = f"server, {w['concurrency']} streams, {w['input_len']} words in, {w['output_len']} out"
+        streams = f"{w['concurrency']} stream{'s' if w['concurrency'] != 1 else ''}"
+        what = f"server, {streams}, {w['input_len']} words in, {w['output_len']} out"
         ratios = [ours["output_tokens_per_s"] / (p["output_tokens_per_s"] or float("nan")) for p in peers]
         peer = "; ".join(
             f"{PEER_NAMES.get(p['name'], p['name'])}: {_serving_cell(p)} (tok/s {x:.2f}×)"
@@ -218,15 +220,18 @@ def main() -> None:
     parser.add_argument("--llama-cpp-python", default=None)
     parser.add_argument("--vllm-python", default=None)
     parser.add_argument("--llama-server", default=None, help="llama.cpp's binary, for serving")
-    parser.add_argument("--llama-batched-bench", default=None, help="llama.cpp's binary, for throughput")
+    parser.add_argument(
+        "--llama-batched-bench", default=None, help="llama.cpp's binary, for throughput and latency"
+    )
     parser.add_argument("--readme", type=Path, default=Path("README.md"))
     args = parser.parse_args()
     folder = args.source or args.results_dir
     if args.source is None:
         folder.mkdir(parents=True, exist_ok=True)
         run_benchmarks(args.only, folder, args)
+    # Every results file there, not only those just run: rerunning one benchmark refreshes its rows.
     docs = [
-        json.loads((folder / f"{n}.json").read_text()) for n in args.only if (folder / f"{n}.json").exists()
+        json.loads((folder / f"{n}.json").read_text()) for n in BENCHMARKS if (folder / f"{n}.json").exists()
     ]
     if not docs:
         raise SystemExit(f"no results in {folder}.")
