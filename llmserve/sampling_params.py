@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from typing import Any
 
 import msgspec
+
+# Integers travel to the engine core as msgpack int64 and seed torch generators: bound them so.
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -62,34 +68,45 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             self.logit_bias = {t: min(max(float(b), -100.0), 100.0) for t, b in self.logit_bias.items()}
 
     def _validate(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
+        """Every integer must fit the engine's int64 messages (msgspec, torch), every float must be
+        finite and every string valid Unicode: otherwise a request fails later, inside the engine."""
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}.")
+        if not _is_int(self.n) or not 1 <= self.n <= INT64_MAX:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}.")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT64_MAX:
+            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k!r}.")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}.")
+        if self.max_tokens is not None and (
+            not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX
+        ):
+            raise ValueError(f"max_tokens must be an integer from 1 to 2**63 - 1, got {self.max_tokens!r}.")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
+            raise ValueError(f"min_tokens must be an integer from 0 to 2**63 - 1, got {self.min_tokens!r}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})."
             )
-        if any(not isinstance(s, str) or s == "" for s in self.stop_strings):
-            raise ValueError("stop must be a non-empty string or a list of non-empty strings.")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
-            raise ValueError("stop_token_ids must be a list of non-negative integers.")
+        if any(not isinstance(s, str) or s == "" or not is_unicode(s) for s in self.stop_strings):
+            raise ValueError(
+                "stop must be a non-empty string or a list of non-empty strings of valid Unicode."
+            )
+        if not isinstance(self.stop_token_ids, list) or not all(map(_is_token_id, self.stop_token_ids)):
+            raise ValueError("stop_token_ids must be a list of token ids (integers from 0 to 2**63 - 1).")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < -1):
+            if value is not None and (not _is_int(value) or not -1 <= value <= INT64_MAX):
                 raise ValueError(f"{name} must be -1 (all), 0 or positive, got {value!r}.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed!r}.")
 
     def _validate_logits_processing(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -100,20 +117,30 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}.")
         if self.logit_bias is not None and not (
             isinstance(self.logit_bias, dict)
-            and all(_is_int(t) and t >= 0 for t in self.logit_bias)
-            and all(isinstance(b, (int, float)) and not math.isnan(b) for b in self.logit_bias.values())
+            and all(map(_is_token_id, self.logit_bias))
+            and all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and not math.isnan(b)
+                for b in self.logit_bias.values()
+            )
         ):
-            raise ValueError("logit_bias must map non-negative token ids to numbers.")
+            raise ValueError(
+                "logit_bias must map token ids (integers from 0 to 2**63 - 1) to numbers (not NaN)."
+            )
         if self.bad_words is not None and not (
-            isinstance(self.bad_words, list) and all(isinstance(w, str) and w.strip() for w in self.bad_words)
+            isinstance(self.bad_words, list)
+            and all(isinstance(w, str) and w.strip() and is_unicode(w) for w in self.bad_words)
         ):
-            raise ValueError("bad_words must be a list of strings that are not empty or only whitespace.")
+            raise ValueError(
+                "bad_words must be a list of strings of valid Unicode that are not empty or only whitespace."
+            )
         if self.allowed_token_ids is not None and not (
             isinstance(self.allowed_token_ids, list)
             and self.allowed_token_ids
-            and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)
+            and all(map(_is_token_id, self.allowed_token_ids))
         ):
-            raise ValueError("allowed_token_ids must be a non-empty list of non-negative token ids.")
+            raise ValueError(
+                "allowed_token_ids must be a non-empty list of token ids (integers from 0 to 2**63 - 1)."
+            )
 
     @property
     def greedy(self) -> bool:
@@ -130,3 +157,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_id(value: object) -> bool:
+    """Non-negative and int64; the vocabulary bound is the `InputProcessor`'s to check."""
+    return _is_int(value) and 0 <= value <= INT64_MAX  # type: ignore[operator]
+
+
+def is_unicode(text: str) -> bool:
+    """False for a string holding a lone surrogate (JSON's `"\\ud800"`), which no tokenizer encodes."""
+    return _SURROGATE.search(text) is None

@@ -108,8 +108,12 @@ class AsyncLLM:
         collector = RequestOutputCollector(params.output_kind)
         for index, request in enumerate(requests):
             self.output_processor.add_request(request, text, parent, index, collector)
-        for request in requests:
-            await self.engine_core.add_request_async(request)
+        try:
+            for request in requests:
+                await self.engine_core.add_request_async(request)
+        except BaseException:  # no child may outlive a failed submission (n > 1: those already sent)
+            await asyncio.shield(self.abort(request_id))
+            raise
         if self.log_requests:
             logger.info("Added request %s.", request_id)
         return collector

@@ -9,7 +9,7 @@ from transformers import PreTrainedTokenizerBase
 
 from llmserve.config import ResolvedLimits
 from llmserve.engine.messages import EngineCoreRequest
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import SamplingParams, is_unicode
 
 
 class TextPrompt(TypedDict):
@@ -85,19 +85,21 @@ class InputProcessor:
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
         )
+        if not is_unicode(str(text)):
+            raise ValueError("The conversation is not valid Unicode: it holds a lone surrogate.")
         token_ids = self.tokenizer.encode(str(text), add_special_tokens=False)
         return TokensPrompt(prompt_token_ids=token_ids)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]  # type: ignore[typeddict-item]
-            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            if not isinstance(ids, list) or not all(type(t) is int for t in ids):  # not bools either
                 raise ValueError("prompt_token_ids must be a list of integers.")
             return None, list(ids)
-        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            text = prompt["prompt"]  # type: ignore[typeddict-item]
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if isinstance(text, str):
+            if not is_unicode(text):
+                raise ValueError("The prompt is not valid Unicode: it holds a lone surrogate.")
             return text, self.tokenizer.encode(text)
         raise ValueError(
             "A prompt must be a string, {'prompt': str} or {'prompt_token_ids': list[int]}, "
@@ -109,6 +111,8 @@ class InputProcessor:
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             wanted = self.limits.vocab_size if k == -1 else k
+            if k is not None and wanted > self.limits.vocab_size:
+                raise ValueError(f"{name}={k} is more than the vocabulary ({self.limits.vocab_size}).")
             if k is not None and self.max_logprobs != -1 and wanted > self.max_logprobs:
                 raise ValueError(
                     f"{name}={k} asks for {wanted} logprobs per token; "

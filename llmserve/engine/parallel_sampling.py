@@ -7,12 +7,13 @@ import msgspec
 from llmserve.engine.input_processor import InputProcessor, PromptType
 from llmserve.engine.messages import EngineCoreRequest
 from llmserve.outputs import CompletionOutput
-from llmserve.sampling_params import RequestOutputKind, SamplingParams
+from llmserve.sampling_params import INT64_MIN, RequestOutputKind, SamplingParams
 
 
 class ParentRequest:
-    """Children get distinct ids (`{i}_{request_id}`) and, with a seed, seeds `seed + i`, so the n
-    samples differ yet are reproducible. FINAL_ONLY gathers all n completions into one output;
+    """Children get distinct ids (`{i}_{request_id}`) and, with a seed, seeds `seed + i` (wrapped
+    into int64, so a valid seed never makes a child the engine cannot take), so the n samples differ
+    yet are reproducible. FINAL_ONLY gathers all n completions into one output;
     the other kinds forward each child's progress as it comes (with the child's `index`).
     """
 
@@ -21,7 +22,8 @@ class ParentRequest:
         self.n = params.n
         self.output_kind = params.output_kind
         self.child_params = [
-            params.clone(n=1, seed=None if params.seed is None else params.seed + i) for i in range(self.n)
+            params.clone(n=1, seed=None if params.seed is None else _wrap_int64(params.seed + i))
+            for i in range(self.n)
         ]
         self.child_ids = [f"{i}_{request_id}" for i in range(self.n)]
         self._unfinished = set(self.child_ids)
@@ -41,6 +43,10 @@ class ParentRequest:
         if not self.finished:
             return None
         return [c for c in self._completions if c is not None]
+
+
+def _wrap_int64(value: int) -> int:
+    return (value - INT64_MIN) % 2**64 + INT64_MIN
 
 
 def fan_out(

@@ -29,7 +29,11 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     greedy = logits.argmax(dim=-1)
     if meta.all_greedy:
         return greedy
-    temperature = torch.where(meta.temperature > 0, meta.temperature, 1.0)
+    # A temperature past fp32's range (1e39) is inf here, and -inf / inf is NaN: masked tokens would
+    # come back. The largest finite temperature samples uniformly over the unmasked ones, as it should.
+    temperature = torch.where(meta.temperature > 0, meta.temperature, 1.0).clamp(
+        max=torch.finfo(torch.float32).max
+    )
     logits = logits / temperature.unsqueeze(1)
     if meta.min_p is not None:
         logits = _apply_min_p(logits, meta.min_p)

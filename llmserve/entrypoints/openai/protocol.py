@@ -1,24 +1,35 @@
 """Request bodies of the OpenAI API, as pydantic models.
 
-Unknown fields are refused, as OpenAI does. OpenAI fields we do not implement are declared only to be
-told apart: each lists its harmless values (those that change nothing, like `tools: []`), and
-any other value is refused with a 400 naming the field, never silently ignored.
+Unknown fields are refused, as OpenAI does; so are non-finite numbers (`NaN`, `1e999`) and strings
+that are not valid Unicode (a lone surrogate, `"\\ud800"`), which would fail only inside the engine.
+OpenAI fields we do not implement are declared only to be told apart: each lists its harmless values
+(those that change nothing, like `tools: []`), and any other value is refused with a 400 naming the
+field, never silently ignored.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
 from llmserve.engine.input_processor import PromptType, TokensPrompt
-from llmserve.sampling_params import RequestOutputKind, SamplingParams
+from llmserve.sampling_params import INT64_MAX, RequestOutputKind, SamplingParams, is_unicode
 
 _UNSET: tuple[object, ...] = (None,)
 
+# OpenAI's own bound on `n`.
+MAX_N = 128
+# Sequences (prompts × n) one HTTP request may queue: a generous batch for offline-style clients,
+# yet a bound on the work and per-sequence state a single request can pin in the server.
+MAX_SEQUENCES_PER_REQUEST = 1024
+
+# Token ids as JSON integers only: `true` is not token 1.
+TokenIds = list[StrictInt]
+
 
 class OpenAIRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     # field name → the values accepted although the feature is not implemented
     harmless: ClassVar[dict[str, tuple[object, ...]]] = {}
@@ -29,7 +40,20 @@ class OpenAIRequest(BaseModel):
         allowed = cls.harmless.get(info.field_name or "")
         if allowed is not None and value not in allowed:
             raise ValueError(f"{info.field_name} is not supported by this server")
+        if not _all_unicode(value):
+            raise ValueError(f"{info.field_name} is not valid Unicode: it holds a lone surrogate")
         return value
+
+
+def _all_unicode(value: object) -> bool:
+    """No string in `value` (through lists and dicts, keys too) holds a lone surrogate."""
+    if isinstance(value, str):
+        return is_unicode(value)
+    if isinstance(value, list):
+        return all(_all_unicode(v) for v in value)
+    if isinstance(value, dict):
+        return all(_all_unicode(k) and _all_unicode(v) for k, v in value.items())
+    return True
 
 
 class StreamOptions(OpenAIRequest):
@@ -47,7 +71,7 @@ class SamplingRequest(OpenAIRequest):
     min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -60,7 +84,7 @@ class SamplingRequest(OpenAIRequest):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI sends token ids as strings
     bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: TokenIds | None = None
     prompt_logprobs: int | None = None  # vLLM's extra; returned as `prompt_logprobs`, not streamed
 
     @property
@@ -90,6 +114,8 @@ class SamplingRequest(OpenAIRequest):
         (completions' echo) is asked for in addition to the request's own."""
         if self.stream and self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not available when streaming.")
+        if self.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {self.n}.")
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -116,6 +142,17 @@ class SamplingRequest(OpenAIRequest):
         )
 
 
+def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
+    """vLLM's 400 (and its message) for a prompt plus `max_tokens` beyond the context: the engine would
+    otherwise stop the request short, at max_model_len, with `finish_reason: "length"`."""
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the "
+            "completion). Please reduce the length of the messages or completion."
+        )
+
+
 def _wider(a: int | None, b: int | None) -> int | None:
     """The larger of two top-k requests, where None asks for nothing and -1 for everything."""
     if a is None or b is None:
@@ -124,7 +161,7 @@ def _wider(a: int | None, b: int | None) -> int | None:
 
 
 Prompt = Annotated[
-    str | list[str] | list[int] | list[list[int]],
+    str | list[str] | TokenIds | list[TokenIds],
     Field(description="text, texts, token ids or lists of token ids; one engine request per prompt"),
 ]
 
@@ -150,6 +187,11 @@ class CompletionRequest(SamplingRequest):
             return [prompt]
         if not prompt:
             raise ValueError("prompt must not be empty")
+        if len(prompt) * self.n > MAX_SEQUENCES_PER_REQUEST and not isinstance(prompt[0], int):
+            raise ValueError(
+                f"n ({self.n}) times the number of prompts ({len(prompt)}) must be at most "
+                f"{MAX_SEQUENCES_PER_REQUEST} sequences per request; split the batch."
+            )
         out: list[PromptType] = []
         for item in prompt:
             if isinstance(item, int):  # one prompt of token ids
@@ -220,6 +262,14 @@ class ChatCompletionRequest(SamplingRequest):
     reasoning_effort: Any = None
     web_search_options: Any = None
 
+    @field_validator("max_tokens", "max_completion_tokens")
+    @classmethod
+    def _token_count(cls, value: int | None) -> int | None:
+        """Checked here rather than by SamplingParams, so that the error names the field sent."""
+        if value is not None and not 1 <= value <= INT64_MAX:
+            raise ValueError(f"must be an integer from 1 to 2**63 - 1, got {value}")
+        return value
+
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -230,6 +280,8 @@ class ChatCompletionRequest(SamplingRequest):
             if self.top_logprobs is not None:
                 raise ValueError("top_logprobs requires logprobs to be true")
             return None
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= INT64_MAX:
+            raise ValueError(f"top_logprobs must be a non-negative integer, got {self.top_logprobs}.")
         return self.top_logprobs or 0
 
 
@@ -245,4 +297,4 @@ class TokenizeRequest(OpenAIRequest):
 
 class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
-    tokens: list[int]
+    tokens: TokenIds

@@ -7,9 +7,9 @@ import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
-from llmserve.entrypoints.openai.errors import bad_request
+from llmserve.entrypoints.openai.errors import OpenAIError, bad_request
 from llmserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs
-from llmserve.entrypoints.openai.protocol import ChatCompletionRequest
+from llmserve.entrypoints.openai.protocol import ChatCompletionRequest, check_context_length
 from llmserve.entrypoints.openai.responses import (
     AssistantMessage,
     ChatChoice,
@@ -36,7 +36,13 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request, request.max_new_tokens, logprobs)
         prompt = self.render_chat(request.messages)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        return request_id, model, params, self.prepare(request_id, [prompt], params, request, "messages")[0]
+        prepared = self.prepare(request_id, [prompt], params, request, "messages")[0]
+        try:
+            check_context_length(len(prepared.token_ids), params.max_tokens, self.engine.limits.max_model_len)
+        except ValueError as e:
+            given = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+            raise OpenAIError(str(e), param=given) from e
+        return request_id, model, params, prepared
 
     async def create(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
         request_id, model, params, prompt = self._start(request)

@@ -8,9 +8,9 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from llmserve.entrypoints.openai.errors import bad_request
+from llmserve.entrypoints.openai.errors import OpenAIError, bad_request
 from llmserve.entrypoints.openai.logprobs import completion_logprobs, concat, echo_logprobs, prompt_logprobs
-from llmserve.entrypoints.openai.protocol import CompletionRequest
+from llmserve.entrypoints.openai.protocol import CompletionRequest, check_context_length
 from llmserve.entrypoints.openai.responses import (
     CompletionChoice,
     CompletionLogprobs,
@@ -46,7 +46,14 @@ class OpenAIServingCompletion(OpenAIServing):
         except ValueError as e:
             raise bad_request(e, CompletionRequest.model_fields) from e
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        return request_id, model, params, self.prepare(request_id, prompts, params, request, "prompt")
+        prepared = self.prepare(request_id, prompts, params, request, "prompt")
+        max_model_len = self.engine.limits.max_model_len
+        for prompt in prepared:
+            try:
+                check_context_length(len(prompt.token_ids), params.max_tokens, max_model_len)
+            except ValueError as e:
+                raise OpenAIError(str(e), param="max_tokens") from e
+        return request_id, model, params, prepared
 
     def _echo(self, request: CompletionRequest, prompt: PreparedPrompt, output: RequestOutput) -> Echo | None:
         """What echo returns for this prompt; `output` is the first (or only) one of its request."""
