@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
-import secrets
 import signal
 import socket
+from concurrent.futures import Executor, ThreadPoolExecutor
+from functools import partial
 from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmserve import __version__
@@ -24,6 +25,7 @@ from llmserve.engine.core_proc import LOG_FORMAT
 from llmserve.engine.exceptions import EngineDeadError
 from llmserve.entrypoints.openai.disconnect import cancel_on_disconnect
 from llmserve.entrypoints.openai.errors import OpenAIError, engine_dead, install_error_handlers
+from llmserve.entrypoints.openai.limits import RequestBodyLimitMiddleware, head_timeout_protocol
 from llmserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -57,25 +59,45 @@ SHUTDOWN_GRACE_SECONDS = 5
 SCHEDULER_STATS_TIMEOUT_SECONDS = 1.0
 
 
+def bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The token of an `Authorization: Bearer <token>` header, as sent; the scheme is
+    case-insensitive (RFC 9110)."""
+    for name, value in headers:
+        if name.lower() == b"authorization":
+            scheme, _, token = value.strip().partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" else None
+    return None
+
+
 class ApiKeyMiddleware:
     """`/v1/*` needs `Authorization: Bearer <key>`; the rest (health, metrics, tokenize) stays open.
-    Plain ASGI, not Starlette's `BaseHTTPMiddleware`, which would hide client disconnects."""
+    Header values are bytes: a non-ASCII key matches as UTF-8 (curl, most clients) or Latin-1 (the
+    HTTP default). Plain ASGI, not Starlette's `BaseHTTPMiddleware`, which would hide client
+    disconnects."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = {api_key.encode("utf-8")}
+        with contextlib.suppress(UnicodeEncodeError):
+            self.expected.add(api_key.encode("latin-1"))
+
+    def _accepts(self, token: bytes | None) -> bool:
+        # every candidate compared, in constant time each, so timing tells nothing about which matched
+        matches = [hmac.compare_digest(token or b"", key) for key in self.expected]
+        return token is not None and any(matches)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS":
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not secrets.compare_digest(given, self.expected):
-                error = OpenAIError(
-                    "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                    status=401,
-                    code="invalid_api_key",
-                )
-                await error.response()(scope, receive, send)
-                return
+        guarded = (
+            scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS"
+        )
+        if guarded and not self._accepts(bearer_token(scope["headers"])):
+            error = OpenAIError(
+                "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                status=401,
+                code="invalid_api_key",
+            )
+            await error.response()(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
@@ -94,18 +116,25 @@ class _Server(uvicorn.Server):
 
 
 def build_app(
-    engine: AsyncLLM, args: ServerArgs, metrics: PrometheusStatLogger, stopping: asyncio.Event
+    engine: AsyncLLM,
+    args: ServerArgs,
+    metrics: PrometheusStatLogger,
+    stopping: asyncio.Event,
+    executor: Executor | None = None,
 ) -> FastAPI:
     """The routes on `engine`, which the caller owns (and shuts down); `metrics` must be one of its
-    stat loggers; setting `stopping` ends the requests in flight."""
+    stat loggers; setting `stopping` ends the requests in flight; `executor` (the caller's) tokenizes."""
     model = engine.config.model_config.model
     models = ServedModels(args.served_model_names or (model,), model, engine.limits.max_model_len)
-    completions = OpenAIServingCompletion(engine, models, stopping)
-    chat = OpenAIServingChat(engine, models, stopping)
-    tokenization = OpenAIServingTokenization(engine, models, stopping)
+    completions = OpenAIServingCompletion(engine, models, stopping, executor)
+    chat = OpenAIServingChat(engine, models, stopping, executor)
+    tokenization = OpenAIServingTokenization(engine, models, stopping, executor)
 
     app = FastAPI(title="llmserve", version=__version__)
     install_error_handlers(app)
+    app.add_middleware(
+        RequestBodyLimitMiddleware, max_bytes=args.max_request_body_bytes, timeout=args.request_body_timeout
+    )
     if args.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
 
@@ -142,7 +171,9 @@ def build_app(
         request: CompletionRequest, raw_request: Request
     ) -> CompletionResponse | EventStreamResponse:
         if request.stream:
-            return EventStreamResponse(completions.create_stream(request))
+            return EventStreamResponse(
+                await completions.run_blocking(partial(completions.create_stream, request))
+            )
         return await cancel_on_disconnect(raw_request, completions.create(request))
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -150,16 +181,19 @@ def build_app(
         request: ChatCompletionRequest, raw_request: Request
     ) -> ChatCompletionResponse | EventStreamResponse:
         if request.stream:
-            return EventStreamResponse(chat.create_stream(request))
+            return EventStreamResponse(await chat.run_blocking(partial(chat.create_stream, request)))
         return await cancel_on_disconnect(raw_request, chat.create(request))
 
-    @app.post("/tokenize")
-    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
-        return tokenization.tokenize(request)
+    # Answered as JSON built in the executor too: millions of token ids take seconds to serialize.
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(request: TokenizeRequest) -> Response:
+        body = await tokenization.run_blocking(lambda: tokenization.tokenize(request).model_dump_json())
+        return Response(body, media_type="application/json")
 
-    @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
-        return tokenization.detokenize(request)
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(request: DetokenizeRequest) -> Response:
+        body = await tokenization.run_blocking(lambda: tokenization.detokenize(request).model_dump_json())
+        return Response(body, media_type="application/json")
 
     return app
 
@@ -176,18 +210,21 @@ async def serve(engine_args: EngineArgs, args: ServerArgs) -> None:
         stat_loggers=[metrics],
     )
     stopping = asyncio.Event()
+    executor = ThreadPoolExecutor(1, thread_name_prefix="llmserve-tokenize")
     try:
-        app = build_app(engine, args, metrics, stopping)
+        app = build_app(engine, args, metrics, stopping, executor)
         config = uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
             log_level=args.uvicorn_log_level,
+            http=head_timeout_protocol(args.request_header_timeout),
             # a backstop: by then `stopping` has ended every request
             timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS + 5,
         )
         await _Server(config, stopping, SHUTDOWN_GRACE_SECONDS).serve()
     finally:
+        executor.shutdown(wait=False, cancel_futures=True)
         engine.shutdown()
 
 

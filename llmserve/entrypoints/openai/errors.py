@@ -3,7 +3,9 @@ that OpenAI clients raise their usual exception types (BadRequestError, NotFound
 
 from __future__ import annotations
 
+import logging
 import re
+import uuid
 from collections.abc import Iterable
 from typing import Any
 
@@ -13,6 +15,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from llmserve.engine.exceptions import EngineDeadError
+
+logger = logging.getLogger("llmserve")
 
 # Status code of a request whose client left before the answer (nginx's convention; nobody reads it).
 CLIENT_CLOSED_REQUEST = 499
@@ -54,6 +58,14 @@ def bad_request(error: ValueError, fields: Iterable[str], fallback: str | None =
     first_word = re.match(r"\w+", message)
     param = first_word.group(0) if first_word and first_word.group(0) in set(fields) else fallback
     return OpenAIError(message, param=param)
+
+
+def internal_error(error: BaseException, where: str) -> OpenAIError:
+    """A 500 that names a fresh request id and nothing else: the exception's text can hold prompts,
+    paths or keys. The traceback goes to the server's log under the same id."""
+    request_id = f"req-{uuid.uuid4().hex}"
+    logger.error("Internal server error (request id %s) in %s", request_id, where, exc_info=error)
+    return OpenAIError(f"Internal server error (request id {request_id}).", status=500, type="server_error")
 
 
 def model_not_found(model: str) -> OpenAIError:
@@ -121,9 +133,9 @@ async def _on_client_gone(_: Request, __: Exception) -> Response:
     return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
-async def _on_unexpected(_: Request, error: Exception) -> Response:
-    # Starlette re-raises the error after this response, so uvicorn logs its traceback.
-    return OpenAIError(f"Internal server error: {error!r}", status=500, type="server_error").response()
+async def _on_unexpected(request: Request, error: Exception) -> Response:
+    # Starlette re-raises the error after this response, so uvicorn logs it once more (without the id).
+    return internal_error(error, f"{request.method} {request.url.path}").response()
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -19,6 +19,12 @@ class ServerArgs:
     disable_log_stats: bool = False
     enable_log_requests: bool = False
     uvicorn_log_level: str = "info"
+    # Far above any prompt max_model_len allows (16 MiB is ~4M tokens of English), far below what hurts.
+    max_request_body_bytes: int = 16 << 20
+    # Whole-body and whole-head deadlines: generous for a slow link, short enough that idle sockets
+    # (slowloris) cannot pile up.
+    request_body_timeout: float = 60.0
+    request_header_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -29,6 +35,11 @@ class ServerArgs:
             raise ValueError("served_model_name must not be empty.")
         if self.uvicorn_log_level not in LOG_LEVELS:
             raise ValueError(f"uvicorn_log_level must be one of {', '.join(LOG_LEVELS)}.")
+        if self.max_request_body_bytes <= 0:
+            raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}.")
+        for name in ("request_body_timeout", "request_header_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +62,25 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--enable-log-requests", action="store_true", help="log each request's start and end")
     parser.add_argument("--uvicorn-log-level", default=d.uvicorn_log_level, choices=LOG_LEVELS)
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=d.max_request_body_bytes,
+        help=f"larger request bodies get a 413 without being read (default: {d.max_request_body_bytes})",
+    )
+    parser.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=d.request_body_timeout,
+        help=f"seconds a client has to send a request's body, else 408 (default: {d.request_body_timeout:g})",
+    )
+    parser.add_argument(
+        "--request-header-timeout",
+        type=float,
+        default=d.request_header_timeout,
+        help="seconds a client has to send a request's line and headers, else the connection is closed "
+        f"(default: {d.request_header_timeout:g})",
+    )
 
 
 def server_args_from(ns: argparse.Namespace) -> ServerArgs:
@@ -62,4 +92,7 @@ def server_args_from(ns: argparse.Namespace) -> ServerArgs:
         disable_log_stats=ns.disable_log_stats,
         enable_log_requests=ns.enable_log_requests,
         uvicorn_log_level=ns.uvicorn_log_level,
+        max_request_body_bytes=ns.max_request_body_bytes,
+        request_body_timeout=ns.request_body_timeout,
+        request_header_timeout=ns.request_header_timeout,
     )

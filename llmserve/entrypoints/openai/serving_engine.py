@@ -4,8 +4,11 @@ engine (so a bad prompt in a batch submits none), and the engine streams of one 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Sequence
+import functools
+from collections.abc import AsyncGenerator, Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from jinja2 import TemplateError
 
@@ -18,6 +21,8 @@ from llmserve.entrypoints.openai.streaming import merge_streams
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
+T = TypeVar("T")
+
 
 @dataclass
 class PreparedPrompt:
@@ -28,12 +33,35 @@ class PreparedPrompt:
 
 
 class OpenAIServing:
-    """`stopping` is set when the server shuts down: requests still running then end with a 503."""
+    """`stopping` is set when the server shuts down: requests still running then end with a 503.
+    `executor` (owned by the caller) runs `run_blocking` work: one worker keeps the tokenizer used by
+    one thread at a time; None means asyncio's default executor."""
 
-    def __init__(self, engine: AsyncLLM, models: ServedModels, stopping: asyncio.Event) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        models: ServedModels,
+        stopping: asyncio.Event,
+        executor: Executor | None = None,
+    ) -> None:
         self.engine = engine
         self.models = models
         self.stopping = stopping
+        self.executor = executor
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """No text prompt longer than this fits max_model_len, so it is refused without tokenizing.
+        A token covers at most as many characters as the vocabulary's longest entry (byte-level
+        vocabularies spell each byte as one character, so a character of text is at least one there);
+        doubled for normalizers that merge characters (NFKC)."""
+        longest = max(map(len, self.engine.tokenizer.get_vocab()))
+        return 2 * longest * self.engine.limits.max_model_len
+
+    async def run_blocking(self, work: Callable[[], T]) -> T:
+        """`work()` in the executor: tokenizing a megabyte prompt takes seconds, during which the event
+        loop must keep answering /health and feeding the running streams."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, work)
 
     def check_request(self, request: SamplingRequest) -> str:
         """The model name to answer with, once the engine is alive and the streaming fields agree."""
@@ -79,6 +107,15 @@ class OpenAIServing:
         """Tokenize and validate every prompt (length, vocabulary, logprobs limit); a `ValueError`
         becomes a 400 naming the field, `prompt_field` when the prompt itself is at fault."""
         processor = self.engine.input_processor
+        for prompt in prompts:
+            text = prompt if isinstance(prompt, str) else prompt.get("prompt")
+            if isinstance(text, str) and len(text) > self.max_prompt_chars:
+                max_len = self.engine.limits.max_model_len
+                raise OpenAIError(
+                    f"The prompt is {len(text)} characters long, more than any {max_len} tokens "
+                    f"(max_model_len) can spell: shorten it.",
+                    param=prompt_field,
+                )
         out: list[PreparedPrompt] = []
         for i, prompt in enumerate(prompts):
             try:

@@ -13,7 +13,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from llmserve.engine.exceptions import EngineDeadError
-from llmserve.entrypoints.openai.errors import OpenAIError, engine_dead
+from llmserve.entrypoints.openai.errors import OpenAIError, engine_dead, internal_error
 
 T = TypeVar("T")
 
@@ -29,7 +29,7 @@ def error_event(error: Exception) -> str:
     if isinstance(error, EngineDeadError):
         error = engine_dead(error)
     elif not isinstance(error, OpenAIError):
-        error = OpenAIError(f"Internal server error: {error!r}", status=500, type="server_error")
+        error = internal_error(error, "an event stream")
     return f"data: {json.dumps(error.body())}\n\n"
 
 
