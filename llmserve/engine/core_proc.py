@@ -1,18 +1,24 @@
 """`EngineCoreProc`: the engine core in its own process, fed and drained over ZMQ.
 
-The front end (`mp_client.py`) binds two IPC sockets in a private folder and spawns this process, which
-connects to them: input (front end PUSH → core PULL) and output (core PUSH → front end PULL). Every
-message is a type frame and a msgpack frame (see `messages.py`); only the config, in the spawn
-arguments, is pickled.
+The front end (`mp_client.py`) binds two IPC sockets in a private folder and starts this module as
+`python -m llmserve.engine.core_proc` (`start_engine_core`), which connects to them: input (front end
+PUSH → core PULL) and output (core PUSH → front end PULL). Every message is a type frame and a msgpack
+frame (see `messages.py`); only the start-up arguments, written once to the process's stdin, are pickled.
+A fresh interpreter running this module, unlike multiprocessing's spawn, never imports the caller's
+`__main__`, so scripts need no `if __name__ == "__main__":` guard.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import pickle
 import queue
 import shutil
 import signal
+import site
+import subprocess
 import sys
 import threading
 import time
@@ -23,6 +29,7 @@ import msgspec
 import setproctitle
 import zmq
 
+import llmserve
 from llmserve.config import EngineConfig
 from llmserve.engine.core import EngineCore
 from llmserve.engine.messages import (
@@ -35,6 +42,7 @@ from llmserve.engine.messages import (
 )
 
 PROCESS_TITLE = "llmserve::EngineCore"
+CORE_MODULE = "llmserve.engine.core_proc"  # this module, run as the core process's `__main__`
 LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"  # `llmserve serve`'s, and the core's with it
 PARENT_POLL_S = 0.5  # how often the core checks that the process that started it is still there
 LINGER_MS = 1000  # how long closing waits for unsent outputs, so the last error reaches the front end
@@ -69,12 +77,54 @@ def front_end_log_level() -> int | None:
     return logging.getLogger("llmserve").getEffectiveLevel() if logging.getLogger().handlers else None
 
 
+def start_engine_core(config: EngineConfig, ipc_dir: str) -> tuple[subprocess.Popen[bytes], int]:
+    """Start the core process for the front end whose sockets are in `ipc_dir`. Returns it and its
+    sentinel, a pipe's read end that turns readable (end of file) once the process has exited, as
+    multiprocessing's does; the caller closes it. The arguments go over stdin, not argv (where `ps` would
+    show them); the process inherits this one's environment (LLMSERVE_CPU_ISA, OMP_NUM_THREADS, ...)."""
+    sentinel, exit_fd = os.pipe()  # the core holds the write end until it exits
+    args = {"ipc_dir": ipc_dir, "parent_pid": os.getpid(), "log_level": front_end_log_level()}
+    try:
+        payload = pickle.dumps((exit_fd, config, args))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", CORE_MODULE], stdin=subprocess.PIPE, pass_fds=(exit_fd,), env=_core_env()
+        )
+    except BaseException:
+        os.close(sentinel)
+        raise
+    finally:
+        os.close(exit_fd)
+    assert proc.stdin is not None  # stdin=PIPE
+    with contextlib.suppress(BrokenPipeError), proc.stdin:  # it died first: the caller reports its exit
+        proc.stdin.write(payload)
+    return proc, sentinel
+
+
+def _core_env() -> dict[str, str]:
+    """This process's environment, with the folder llmserve was imported from first on PYTHONPATH
+    unless it is a site folder (which the core finds anyway): a script that put a checkout on `sys.path`
+    itself would otherwise start a core that cannot import llmserve."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(llmserve.__file__)))
+    site_folders = [*site.getsitepackages(), site.getusersitepackages()]
+    if root not in site_folders and root not in env.get("PYTHONPATH", "").split(os.pathsep):
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def main() -> None:
+    """`python -m llmserve.engine.core_proc`: reads what `start_engine_core` wrote to stdin and runs."""
+    exit_fd, config, args = pickle.load(sys.stdin.buffer)
+    os.set_inheritable(exit_fd, False)  # a process this one starts must not hold the sentinel open
+    run_engine_core(config, **args)
+
+
 def run_engine_core(
     config: EngineConfig, ipc_dir: str, parent_pid: int, log_level: int | None = None
 ) -> None:
-    """Entry point of the spawned process: exits 0 after a shutdown request, 1 after a failure. A spawned
-    process starts with logging unconfigured, which would drop the start-up lines (memory, kernels), so
-    it logs at the front end's `log_level` where that has one."""
+    """Runs the core: exits 0 after a shutdown request, 1 after a failure. A new process starts with
+    logging unconfigured, which would drop the start-up lines (memory, kernels), so it logs at the front
+    end's `log_level` where that has one."""
     setproctitle.setproctitle(PROCESS_TITLE)
     if log_level is not None:
         logging.basicConfig(level=log_level, format=LOG_FORMAT)
@@ -207,3 +257,7 @@ class EngineCoreProc:
         self.output_thread.join()
         self.ctx.term()  # a blocked receive in the input thread fails with ETERM; it closes its socket
         return exit_code
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,8 @@
 """The engine core in its own process: `SyncMPClient` (for `LLM`) and `AsyncMPClient` (for `AsyncLLM`).
 
-Both spawn an `EngineCoreProc`, wait for its READY and watch its process sentinel wherever they wait
-for its output socket, so a core that dies wakes every waiter with `EngineDeadError`: never a hang.
+Both start an `EngineCoreProc` (`python -m llmserve.engine.core_proc`), wait for its READY and watch
+its process sentinel wherever they wait for its output socket, so a core that dies wakes every waiter with
+`EngineDeadError`: never a hang.
 """
 
 from __future__ import annotations
@@ -9,14 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import multiprocessing
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import weakref
 from collections import deque
-from multiprocessing.process import BaseProcess
 from typing import cast
 
 import msgspec
@@ -24,7 +24,7 @@ import zmq
 
 from llmserve.config import EngineConfig, ResolvedLimits
 from llmserve.engine.core_client import EngineCoreClient
-from llmserve.engine.core_proc import front_end_log_level, ipc_addresses, make_socket, run_engine_core
+from llmserve.engine.core_proc import ipc_addresses, make_socket, start_engine_core
 from llmserve.engine.exceptions import EngineDeadError
 from llmserve.engine.messages import (
     EngineCoreEventType,
@@ -40,41 +40,37 @@ from llmserve.engine.messages import (
 SHUTDOWN_TIMEOUT_S = 5.0  # for the core to finish its step and exit, before SIGTERM (then SIGKILL)
 EXIT_GRACE_MS = 200  # once the core has exited, how long its last message (the error that ended it) may take
 
-SPAWN_HINT = (
-    "If it is about bootstrapping: the core process is spawned and imports the main script, so a script "
-    'must start the engine under `if __name__ == "__main__":`.'
-)
-
 _OUTPUTS = EngineCoreEventType.OUTPUTS.value
 _UTILITY_RESULT = EngineCoreEventType.UTILITY_RESULT.value
 
 
 class _CoreProcess:
-    """What a client owns outside Python's heap: the core process, the ZMQ sockets and the IPC folder.
-    Kept apart from the client so `weakref.finalize` can release it when the client is dropped or the
-    interpreter exits without `shutdown()`."""
+    """What a client owns outside Python's heap: the core process and its sentinel, the ZMQ sockets and the
+    IPC folder. Kept apart from the client so `weakref.finalize` can release it when the client is dropped
+    or the interpreter exits without `shutdown()`."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.ipc_dir = tempfile.mkdtemp(prefix="llmserve-")
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         input_address, output_address = ipc_addresses(self.ipc_dir)
-        try:
+        try:  # binding fails e.g. with a TMPDIR so long that the socket path exceeds the OS limit
             self.input_socket = make_socket(self.ctx, zmq.PUSH, input_address, bind=True)
             self.output_socket = make_socket(self.ctx, zmq.PULL, output_address, bind=True)
-        except zmq.ZMQError:  # e.g. a TMPDIR so long that the socket path exceeds the OS limit
+            self.proc, self.sentinel = start_engine_core(config, self.ipc_dir)
+        except BaseException:
             self.ctx.destroy(linger=0)
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
             raise
-        self.proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core,
-            args=(config, self.ipc_dir, os.getpid(), front_end_log_level()),
-            name="EngineCore",
-            daemon=True,  # multiprocessing's own exit hook terminates it too
-        )
+
+    def exited_within(self, timeout: float) -> bool:
+        """Whether the core has exited (and is reaped) within `timeout` seconds."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout)
+        return self.proc.returncode is not None
 
     def exit_reason(self, when: str = "") -> str:
-        self.proc.join(EXIT_GRACE_MS / 1000)  # it has exited (its sentinel fired): this reaps it
-        code = self.proc.exitcode
+        self.exited_within(EXIT_GRACE_MS / 1000)  # it has exited (its sentinel fired): this reaps it
+        code = self.proc.returncode
         detail = (
             f"exit code {code}"
             if code is None or code >= 0
@@ -84,16 +80,15 @@ class _CoreProcess:
 
     def release(self) -> None:
         """Ask the core to stop, then insist; close the sockets; remove the folder. Call once."""
-        if self.proc.pid is not None and self.proc.is_alive():
+        if self.proc.poll() is None:
             with contextlib.suppress(zmq.ZMQError):  # no peer: it is on its way out
                 self.input_socket.send_multipart((EngineCoreRequestType.SHUTDOWN.value, b""), zmq.NOBLOCK)
-            self.proc.join(SHUTDOWN_TIMEOUT_S)
-            if self.proc.is_alive():
+            if not self.exited_within(SHUTDOWN_TIMEOUT_S):
                 self.proc.terminate()
-                self.proc.join(1.0)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join()
+                if not self.exited_within(1.0):
+                    self.proc.kill()
+                    self.proc.wait()
+        os.close(self.sentinel)
         self.ctx.destroy(linger=0)
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
@@ -108,14 +103,13 @@ class MPClient(EngineCoreClient):
         self._encoder = msgspec.msgpack.Encoder()
         self._call_ids = itertools.count()
         try:
-            self._core.proc.start()
             self.limits = self._wait_ready()
         except BaseException:
             self._finalizer()
             raise
 
     @property
-    def proc(self) -> BaseProcess:
+    def proc(self) -> subprocess.Popen[bytes]:
         return self._core.proc
 
     @property
@@ -128,15 +122,15 @@ class MPClient(EngineCoreClient):
         self._finalizer()
 
     def _wait_ready(self) -> ResolvedLimits:
-        socket, sentinel = self._core.output_socket, self._core.proc.sentinel
+        socket, sentinel = self._core.output_socket, self._core.sentinel
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
         poller.register(sentinel, zmq.POLLIN)
         events = dict(poller.poll())
         if socket not in events and not socket.poll(EXIT_GRACE_MS):
             reason = self._core.exit_reason(" while starting")
-            if self._core.proc.exitcode == 1:  # an exception before the core could report one
-                reason += f" See its error above. {SPAWN_HINT}"
+            if self._core.proc.returncode == 1:  # an exception before the core could report one
+                reason += " See its error above."
             raise EngineDeadError(reason)
         kind, payload = socket.recv_multipart()
         if kind == EngineCoreEventType.READY.value:
@@ -160,7 +154,7 @@ class MPClient(EngineCoreClient):
         """Never blocks while the core lives (no high-water mark); fails once it is gone."""
         self._raise_if_dead()
         frames = (kind.value, self._encoder.encode(payload))
-        socket, sentinel = self._core.input_socket, self._core.proc.sentinel
+        socket, sentinel = self._core.input_socket, self._core.sentinel
         while True:
             try:
                 socket.send_multipart(frames, zmq.NOBLOCK)
@@ -192,7 +186,7 @@ class SyncMPClient(MPClient):
         self._utility_results: dict[int, msgspec.Raw] = {}
         self._poller = zmq.Poller()
         self._poller.register(self._core.output_socket, zmq.POLLIN)
-        self._poller.register(self._core.proc.sentinel, zmq.POLLIN)
+        self._poller.register(self._core.sentinel, zmq.POLLIN)
         self._outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -276,7 +270,7 @@ class AsyncMPClient(MPClient):
             self._loop = loop
             if not self.is_dead:
                 loop.add_reader(self._output_fd, self._read_outputs)
-                loop.add_reader(self._core.proc.sentinel, self._on_core_exit, loop)
+                loop.add_reader(self._core.sentinel, self._on_core_exit, loop)
                 loop.call_soon(self._read_outputs)  # what arrived before the reader was registered
         elif loop is not self._loop:
             # Its outputs would wait forever for a loop that is not running: fail instead.
@@ -302,7 +296,7 @@ class AsyncMPClient(MPClient):
             self._mark_dead(f"Reading the engine core's outputs failed: {e!r}")
 
     def _on_core_exit(self, loop: asyncio.AbstractEventLoop) -> None:
-        loop.remove_reader(self._core.proc.sentinel)
+        loop.remove_reader(self._core.sentinel)
         # Its last message, the error that ended it, may still be on the way.
         loop.call_later(EXIT_GRACE_MS / 1000, lambda: self._mark_dead(self._core.exit_reason()))
 
@@ -317,5 +311,5 @@ class AsyncMPClient(MPClient):
             self._utility_futures.clear()
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.remove_reader(self._output_fd)
-                self._loop.remove_reader(self._core.proc.sentinel)
+                self._loop.remove_reader(self._core.sentinel)
         return super()._mark_dead(reason)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from llmserve import LLM, SamplingParams
@@ -93,12 +94,12 @@ def test_core_that_cannot_start_reports_its_error(tiny_llama_hf_dir: Path, tmp_p
 
 
 def test_core_killed_while_starting(tiny_llama_hf_dir: Path) -> None:
-    before = {p.pid for p in multiprocessing.active_children()}
+    before = {p.pid for p in psutil.Process().children()}
 
     def kill_the_new_child() -> None:
         while True:
-            new = [p for p in multiprocessing.active_children() if p.pid not in before]
-            if new and new[0].pid is not None:
+            new = [p for p in psutil.Process().children() if p.pid not in before]
+            if new:
                 os.kill(new[0].pid, signal.SIGKILL)
                 return
             time.sleep(0.01)
@@ -156,3 +157,33 @@ def test_core_does_not_outlive_its_parent(tiny_llama_hf_dir: Path, parent_end: s
     assert wait_until_gone(pid, timeout=5), f"engine core {pid} outlived its parent: {result.stderr}"
     assert not os.path.exists(ipc_dir)
     assert result.returncode == (0 if parent_end == "exits" else -signal.SIGKILL), result.stderr
+
+
+# As a vLLM user writes it: no `if __name__ == "__main__":` guard. A core started by multiprocessing's spawn
+# would import this script again (and fail in its bootstrapping phase); the core must never run it.
+NO_GUARD_SCRIPT = """
+import sys
+print("script ran", flush=True)
+from llmserve import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], kv_cache_memory=16 << 20)
+print("text", repr(llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].text))
+llm.shutdown()
+"""
+
+
+@pytest.mark.parametrize("how", ["file", "-c", "stdin"])
+def test_a_script_without_a_main_guard(tiny_llama_hf_dir: Path, tmp_path: Path, how: str) -> None:
+    script = tmp_path / "script.py"
+    script.write_text(NO_GUARD_SCRIPT)
+    source = {"file": [str(script)], "-c": ["-c", NO_GUARD_SCRIPT], "stdin": ["-"]}[how]
+    result = subprocess.run(
+        [sys.executable, *source, str(tiny_llama_hf_dir)],
+        input=NO_GUARD_SCRIPT if how == "stdin" else None,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("script ran") == 1, result.stdout  # the core never ran it
+    assert re.search(r"^text '.+'$", result.stdout, re.MULTILINE), result.stdout

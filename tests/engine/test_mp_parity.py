@@ -34,7 +34,7 @@ def test_process_core_matches_in_process_core(default_model_path: Path) -> None:
         start = time.monotonic()
         llm.shutdown()
     assert time.monotonic() - start < 5
-    assert client.proc.exitcode == 0 and wait_until_gone(pid, timeout=1) and not os.path.exists(ipc_dir)
+    assert client.proc.returncode == 0 and wait_until_gone(pid, timeout=1) and not os.path.exists(ipc_dir)
     llm.shutdown()  # again: a no-op
 
     with LLM(kv_cache_memory=64 << 20, multiprocess=False) as inproc:
