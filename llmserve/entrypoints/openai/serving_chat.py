@@ -6,6 +6,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from functools import partial
 
 from llmserve.entrypoints.openai.errors import OpenAIError, bad_request
 from llmserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs
@@ -45,7 +46,8 @@ class OpenAIServingChat(OpenAIServing):
         return request_id, model, params, prepared
 
     async def create(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
-        request_id, model, params, prompt = self._start(request)
+        # tokenizing (and the chat template) in the worker thread: a long prompt must not stall the loop
+        request_id, model, params, prompt = await self.run_blocking(partial(self._start, request))
         samples: list[CompletionOutput] = []
         prompt_lps = None
         async with aclosing(self.generate(request_id, [prompt], params)) as stream:

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
+from functools import partial
 
 from llmserve.entrypoints.openai.errors import OpenAIError, bad_request
 from llmserve.entrypoints.openai.logprobs import completion_logprobs, concat, echo_logprobs, prompt_logprobs
@@ -72,7 +73,8 @@ class OpenAIServingCompletion(OpenAIServing):
         return Echo(text, logprobs, text_offset)
 
     async def create(self, request: CompletionRequest) -> CompletionResponse:
-        request_id, model, params, prompts = self._start(request)
+        # tokenizing in the worker thread: a long prompt must not stall the loop
+        request_id, model, params, prompts = await self.run_blocking(partial(self._start, request))
         finals: dict[int, RequestOutput] = {}
         async with aclosing(self.generate(request_id, prompts, params)) as stream:
             async for i, output in stream:
