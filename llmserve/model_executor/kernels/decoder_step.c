@@ -21,23 +21,6 @@
 
 #include "kernels.h"
 
-typedef struct {
-    const float *input_norm, *post_norm; /* [hidden] */
-    Weight qkv, o, gate_up, down;          /* gate_up: the gate's rows, then the up's */
-    float *k_cache, *v_cache;            /* [kv_heads, num_blocks, block_size, head_dim] */
-} LayerSpec;
-
-typedef struct {
-    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
-    int64_t num_blocks, block_size;
-    int64_t int8_activations; /* round each projection's input as block_q8.c does */
-    int64_t block_rows;       /* with int8 activations, steps of up to this many rows go to block_q8.c */
-    float eps, scale;
-    const LayerSpec *layers;
-    const float *rope_cos, *rope_sin; /* [max_positions, head_dim / 2] */
-    const float *final_norm;
-} DecoderSpec;
-
 static void rms_norm(const float *x, const float *weight, int64_t rows, int64_t n, float eps, float *out)
 {
     for (int64_t r = 0; r < rows; r++) {
@@ -244,7 +227,8 @@ static void layer_step(const DecoderSpec *s, const LayerSpec *layer, Step *t, fl
 
 /* x: [rows, hidden], the embedded tokens, used as the residual stream (overwritten); out: [rows, hidden]
  * after the final norm. positions, slots, seq_lens: [rows]; block_tables: [rows, max_blocks].
- * Returns 0, -1 for a shape it cannot take, -2 when out of memory. */
+ * Returns 0, -1 for a shape it cannot take, -2 when out of memory, -3 for a position, slot, length or
+ * block id out of bounds. */
 int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const int64_t *slots,
                  const int64_t *block_tables, const int64_t *seq_lens, int64_t rows, int64_t max_blocks,
                  float *out, int num_threads)
@@ -253,6 +237,11 @@ int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const
     if (rows < 1 || (read_blocks && rows > BLOCK_GEMV_MAX_ROWS) ||
         ((read_blocks || s->int8_activations) && (s->hidden % QK || s->intermediate % QK)))
         return -1;
+    if (!tables_in_bounds(block_tables, seq_lens, rows, max_blocks, s->num_blocks, s->block_size))
+        return -3;
+    for (int64_t r = 0; r < rows; r++)
+        if (positions[r] < 0 || slots[r] < 0 || slots[r] >= s->num_blocks * s->block_size)
+            return -3;
     const int64_t q_size = s->num_heads * s->head_dim, group = s->num_heads / s->num_kv_heads;
     const int64_t wide = max64(q_size + 2 * s->num_kv_heads * s->head_dim, s->intermediate);
     const int64_t narrow = max64(s->hidden, q_size);

@@ -161,4 +161,28 @@ void attend_one(const float *q, const float *k_cache, const float *v_cache, cons
                 float *out, int64_t group, int64_t head_dim, int64_t block_size, int64_t head_stride, float scale,
                 float *scores);
 
+/* decoder_step.c's view of a model (native.py mirrors these in ctypes; layout.c exports their layout so
+ * that native.py can check its copies at load time). */
+typedef struct {
+    const float *input_norm, *post_norm; /* [hidden] */
+    Weight qkv, o, gate_up, down;          /* gate_up: the gate's rows, then the up's */
+    float *k_cache, *v_cache;            /* [kv_heads, num_blocks, block_size, head_dim] */
+} LayerSpec;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int64_t num_blocks, block_size;
+    int64_t int8_activations; /* round each projection's input as block_q8.c does */
+    int64_t block_rows;       /* with int8 activations, steps of up to this many rows go to block_q8.c */
+    float eps, scale;
+    const LayerSpec *layers;
+    const float *rope_cos, *rope_sin; /* [max_positions, head_dim / 2] */
+    const float *final_norm;
+} DecoderSpec;
+
+/* paged_attention.c: whether each of `rows` sequences has a length in [1, max_blocks * block_size] and the
+ * blocks its length covers in [0, num_blocks): what attend_one reads. */
+int tables_in_bounds(const int64_t *block_tables, const int64_t *seq_lens, int64_t rows, int64_t max_blocks,
+                     int64_t num_blocks, int64_t block_size);
+
 #endif

@@ -4,7 +4,11 @@ Plain C rather than a PyTorch C++ extension: against torch's headers a build tak
 small machine, this one well under a second. The same sources are compiled once per instruction set
 (`ISAS`: AVX-512, AVX2, and portable C), and the best the CPU has is chosen at start-up and logged;
 `LLMSERVE_CPU_ISA=avx2` (or `generic`) forces a lower one, which is how the tests cover every variant on
-one machine. Without a compiler the callers keep the PyTorch path.
+one machine. Without a compiler the callers keep the PyTorch path, with a warning; with
+`LLMSERVE_REQUIRE_NATIVE=1` (as CI sets) a build or load failure is an error carrying the compiler's
+output instead. build.py compiles; structs.py holds the ctypes structs, checked against the C layout at
+load. The wrappers check what they pass (dtypes, contiguity, shapes) and the kernels the block tables'
+bounds, raising ValueError: a wrong tensor would otherwise be read as raw memory.
 
 - `dequant.c`: rows of a weight in its stored format (GGUF blocks, fp16, bf16) widened to fp32.
 - `weight_gemm.c`: fp32 rows times a weight in its stored format, at any number of rows.
@@ -18,21 +22,26 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import platform
-import shutil
-import subprocess
-from pathlib import Path
 
 import torch
 
+from llmserve.model_executor.kernels.build import BuildError, build, cache_dir
+from llmserve.model_executor.kernels.structs import (
+    MAX_WEIGHT_PARTS,
+    DecoderSpec,
+    LayerSpec,
+    Weight,
+    WeightPart,
+    layout_mismatches,
+)
+
+__all__ = ["MAX_WEIGHT_PARTS", "DecoderSpec", "LayerSpec", "Weight", "WeightPart", "cache_dir"]
+
 logger = logging.getLogger(__name__)
 
-_SOURCES = sorted(Path(__file__).parent.glob("*.c"))
-_HEADERS = sorted(Path(__file__).parent.glob("*.h"))
-_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -43,11 +52,6 @@ ISAS: dict[str, tuple[frozenset[str], list[str]]] = {
     "avx2": (frozenset({"avx2", "fma", "f16c", "bmi2", "movbe"}), ["-march=x86-64-v3"]),
     "generic": (frozenset(), ["-march=x86-64"] if platform.machine() in ("x86_64", "AMD64") else ["-O3"]),
 }
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("LLMSERVE_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(root).expanduser() / "llmserve" / "kernels"
 
 
 @functools.cache  # every kernel call asks for its library, so the flags are read once
@@ -84,11 +88,15 @@ def load_library(isa: str | None = None) -> ctypes.CDLL | None:
 @functools.cache
 def _load(isa: str) -> ctypes.CDLL | None:
     try:
-        library = ctypes.CDLL(str(_build(isa)))
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", b"") or b""
-        logger.warning("Native kernels unavailable (%s %s); using PyTorch's.", error, detail.decode())
+        library = ctypes.CDLL(str(build(isa, ISAS[isa][1])))
+    except (OSError, BuildError) as error:
+        if os.environ.get("LLMSERVE_REQUIRE_NATIVE") == "1":
+            raise RuntimeError(f"LLMSERVE_REQUIRE_NATIVE=1, but the {isa} kernels failed: {error}") from error
+        logger.warning("Native kernels unavailable (%s); using PyTorch's.", error)
         return None
+    mismatches = layout_mismatches(library)
+    if mismatches:  # a bug in this package, not the machine: never a silent fallback
+        raise RuntimeError(f"The ctypes structs differ from the C ones: {'; '.join(mismatches)}.")
     logger.info("Native kernels: %s build.", isa)
     library.kernels_isa.restype = ctypes.c_char_p
     library.paged_decode_attention.argtypes = [_PTR] * 6 + [_I64] * 7 + [ctypes.c_float, ctypes.c_int]
@@ -102,7 +110,7 @@ def _load(isa: str) -> ctypes.CDLL | None:
     library.is_block_type.argtypes = [ctypes.c_int]
     library.row_bytes.argtypes = [ctypes.c_int, _I64]
     library.row_bytes.restype = _I64
-    library.dequantize_rows.argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _I64, _PTR, ctypes.c_int]
+    library.dequantize_rows.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _I64, _PTR, ctypes.c_int]
     library.dequantize_rows.restype = ctypes.c_int
     library.weight_gemm.argtypes = [_PTR, _I64, _I64, ctypes.POINTER(Weight), _PTR, ctypes.c_int]
     library.weight_gemm.restype = ctypes.c_int
@@ -112,23 +120,6 @@ def _load(isa: str) -> ctypes.CDLL | None:
     return library
 
 
-def _build(isa: str) -> Path:
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler (set CC)")
-    flags = [*_FLAGS, *ISAS[isa][1]]
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS))
-    key.update(" ".join([compiler, *flags]).encode())
-    target = cache_dir() / f"llmserve_kernels-{isa}-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f"{target.stem}.{os.getpid()}.partial")
-        command = [compiler, *flags, "-o", str(partial), *map(str, _SOURCES), "-lm"]
-        subprocess.run(command, check=True, capture_output=True)
-        os.replace(partial, target)  # atomic: concurrent builders each install a whole library
-    return target
-
-
 def library_isa(library: ctypes.CDLL) -> str:
     """The instruction set `library` was compiled for, as the compiler's macros in it say."""
     return str(library.kernels_isa().decode())
@@ -136,8 +127,42 @@ def library_isa(library: ctypes.CDLL) -> str:
 
 def _library() -> ctypes.CDLL:
     library = load_library()
-    assert library is not None, "check load_library() first"
+    if library is None:
+        raise RuntimeError("The C kernels are unavailable: check load_library() before calling them.")
     return library
+
+
+def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, ndim: int) -> None:
+    """ValueError unless `tensor` is a contiguous CPU tensor of `dtype` and `ndim` dimensions, which is
+    how the kernels read the memory at its address."""
+    if (
+        tensor.dtype != dtype
+        or tensor.dim() != ndim
+        or tensor.device.type != "cpu"
+        or not tensor.is_contiguous()
+    ):
+        raise ValueError(
+            f"{name} must be a contiguous {ndim}-D CPU {dtype} tensor, got {tensor.dtype}"
+            f" {tuple(tensor.shape)} on {tensor.device} (contiguous: {tensor.is_contiguous()})."
+        )
+
+
+def _check_rows(rows: int, **tensors: torch.Tensor) -> None:
+    """ValueError unless each of `tensors` is a contiguous int64 tensor of `rows` rows: block_tables
+    [rows, max_blocks], the others [rows]."""
+    for name, tensor in tensors.items():
+        _check(name, tensor, torch.int64, 2 if name == "block_tables" else 1)
+        if tensor.shape[0] != rows:
+            raise ValueError(f"{name} must have {rows} rows, got shape {tuple(tensor.shape)}.")
+
+
+def _check_weight(weight: Weight, out_features: int) -> None:
+    """ValueError unless `weight` has 1 to MAX_WEIGHT_PARTS parts of `out_features` rows in all."""
+    if not 1 <= weight.num_parts <= MAX_WEIGHT_PARTS:
+        raise ValueError(f"A weight has 1 to {MAX_WEIGHT_PARTS} parts, got {weight.num_parts}.")
+    rows = sum(weight.parts[i].rows for i in range(weight.num_parts))
+    if rows != out_features:
+        raise ValueError(f"out_features is {out_features}, but the weight's parts have {rows} rows.")
 
 
 def paged_decode_attention(
@@ -145,14 +170,22 @@ def paged_decode_attention(
     k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim] fp32
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [batch, max_blocks] int64
-    seq_lens: torch.Tensor,  # [batch] int64, each >= 1
+    seq_lens: torch.Tensor,  # [batch] int64, each in [1, max_blocks * block_size]
     scale: float,
 ) -> torch.Tensor:
     library = _library()
     q = q.contiguous()
-    out = torch.empty_like(q)
+    _check("q", q, torch.float32, 3)
+    _check("k_cache", k_cache, torch.float32, 4)
+    _check("v_cache", v_cache, torch.float32, 4)
     batch, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_cache.shape
+    if v_cache.shape != k_cache.shape or k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} and {tuple(v_cache.shape)}."
+        )
+    _check_rows(batch, block_tables=block_tables, seq_lens=seq_lens)
+    out = torch.empty_like(q)
     status = library.paged_decode_attention(
         q.data_ptr(),
         k_cache.data_ptr(),
@@ -170,6 +203,8 @@ def paged_decode_attention(
         scale,
         torch.get_num_threads(),
     )
+    if status == -2:
+        raise ValueError(f"paged_decode_attention: a length or block id out of bounds ({num_blocks} blocks).")
     if status != 0:
         raise MemoryError("paged_decode_attention could not allocate its score buffer.")
     return out
@@ -209,9 +244,11 @@ def _int8_product(
     kernel: str, x: torch.Tensor, weight: Weight, out_features: int
 ) -> tuple[int, torch.Tensor]:
     """The C kernel `kernel`'s status and y for x [rows, in] @ W.T."""
-    x = x.contiguous()
-    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     function = getattr(_library(), kernel)
+    x = x.contiguous()
+    _check("x", x, torch.float32, 2)
+    _check_weight(weight, out_features)
+    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     threads = torch.get_num_threads()
     status = function(
         x.data_ptr(), x.shape[0], x.shape[1], ctypes.byref(weight), out_features, y.data_ptr(), threads
@@ -228,6 +265,7 @@ def round_rows(x: torch.Tensor) -> torch.Tensor:
     """x [rows, in] fp32, each block of 32 rounded to int8 and back (block_q8.c's rounding)."""
     library = _library()
     x = x.contiguous()
+    _check("x", x, torch.float32, 2)
     if x.shape[-1] % 32:
         raise ValueError(f"round_rows needs rows of 32k values, got {x.shape[-1]}.")
     out = torch.empty_like(x)
@@ -242,77 +280,50 @@ def row_bytes(qtype: int, in_features: int) -> int:
 
 def dequantize_rows(data: torch.Tensor, qtype: int, in_features: int, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` [n] int64 of a weight stored as `qtype`, data [rows, row_bytes] uint8 → [n, in] fp32:
-    an embedding lookup, or (all ids) the whole weight, with the values `gguf.quants.dequantize` gives."""
+    an embedding lookup, or (all ids) the whole weight, with the values `gguf.quants.dequantize` gives.
+    `data` may also be typed as its elements ([rows, in] float16 for F16), as long as its rows are whole."""
+    library = _library()
     ids = ids.contiguous()
+    _check("data", data, data.dtype, 2)
+    data = data.view(torch.uint8)  # read as bytes, whatever numpy typed them as (a GGUF's F16 is float16)
+    _check("ids", ids, torch.int64, 1)
+    expected = library.row_bytes(qtype, in_features)
+    if expected and data.shape[1] != expected:
+        raise ValueError(
+            f"dequantize_rows: rows of type {qtype} at width {in_features} are {expected} bytes,"
+            f" got data {tuple(data.shape)}."
+        )
     out = torch.empty(ids.shape[0], in_features, dtype=torch.float32)
-    status = _library().dequantize_rows(
+    status = library.dequantize_rows(
         data.data_ptr(),
         qtype,
         in_features,
+        data.shape[0],
         ids.data_ptr(),
         ids.shape[0],
         out.data_ptr(),
         torch.get_num_threads(),
     )
+    if status == -2:
+        raise ValueError(f"dequantize_rows: an id outside [0, {data.shape[0]}).")
     if status != 0:
         raise ValueError(f"dequantize_rows cannot read type {qtype} at width {in_features}.")
     return out
 
 
-MAX_WEIGHT_PARTS = 3
-
-
-class WeightPart(ctypes.Structure):
-    _fields_ = [("data", _PTR), ("qtype", _I64), ("rows", _I64)]
-
-
-class Weight(ctypes.Structure):
-    """weight_gemm.c's view of a stored weight: up to three parts of rows stacked, and a bias. The tensors
-    behind the addresses must outlive it."""
-
-    _fields_ = [("parts", WeightPart * MAX_WEIGHT_PARTS), ("num_parts", _I64), ("bias", _PTR)]
-
-
 def weight_gemm(x: torch.Tensor, weight: Weight, out_features: int) -> torch.Tensor:
     """x [rows, in] fp32 @ W.T (+ bias), W stored as `weight` describes."""
+    library = _library()
     x = x.contiguous()
+    _check("x", x, torch.float32, 2)
+    _check_weight(weight, out_features)
     y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    status = _library().weight_gemm(
+    status = library.weight_gemm(
         x.data_ptr(), x.shape[0], x.shape[1], ctypes.byref(weight), y.data_ptr(), torch.get_num_threads()
     )
     if status != 0:
         raise ValueError(f"weight_gemm cannot take x {tuple(x.shape)} with this weight's types.")
     return y
-
-
-class LayerSpec(ctypes.Structure):
-    _fields_ = [
-        ("input_norm", _PTR),
-        ("post_norm", _PTR),
-        ("qkv", Weight),
-        ("o", Weight),
-        ("gate_up", Weight),
-        ("down", Weight),
-        ("k_cache", _PTR),
-        ("v_cache", _PTR),
-    ]
-
-
-class DecoderSpec(ctypes.Structure):
-    """decoder_step.c's view of a model: its shapes and the addresses of its weights and KV cache. The
-    tensors behind the addresses must outlive it."""
-
-    _fields_ = [
-        *((name, _I64) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim")),
-        *((name, _I64) for name in ("intermediate", "num_blocks", "block_size", "int8_activations")),
-        ("block_rows", _I64),
-        ("eps", ctypes.c_float),
-        ("scale", ctypes.c_float),
-        ("layers", ctypes.POINTER(LayerSpec)),
-        ("rope_cos", _PTR),
-        ("rope_sin", _PTR),
-        ("final_norm", _PTR),
-    ]
 
 
 def decoder_step(
@@ -325,7 +336,10 @@ def decoder_step(
 ) -> torch.Tensor:
     """Hidden states [rows, hidden] after the final norm; writes each layer's new K and V to the cache."""
     library = _library()
-    assert x.is_contiguous() and block_tables.is_contiguous()
+    _check("x", x, torch.float32, 2)
+    if x.shape[1] != spec.hidden:
+        raise ValueError(f"decoder_step: x {tuple(x.shape)} is not [rows, {spec.hidden}].")
+    _check_rows(x.shape[0], positions=positions, slots=slots, block_tables=block_tables, seq_lens=seq_lens)
     out = torch.empty_like(x)
     status = library.decoder_step(
         ctypes.byref(spec),
@@ -339,6 +353,10 @@ def decoder_step(
         out.data_ptr(),
         torch.get_num_threads(),
     )
+    if status == -3:
+        raise ValueError(
+            f"decoder_step: a position, slot, length or block id out of bounds ({spec.num_blocks} blocks)."
+        )
     if status != 0:
         raise ValueError(f"decoder_step cannot take {x.shape[0]} rows of this model (status {status}).")
     return out

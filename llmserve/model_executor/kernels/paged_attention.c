@@ -196,14 +196,31 @@ void attend_one(
             out[g * head_dim + d] *= inverse[g];
 }
 
+int tables_in_bounds(const int64_t *block_tables, const int64_t *seq_lens, int64_t rows, int64_t max_blocks,
+                     int64_t num_blocks, int64_t block_size)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t len = seq_lens[r];
+        if (len < 1 || len > max_blocks * block_size)
+            return 0;
+        for (int64_t b = 0; b < (len + block_size - 1) / block_size; b++)
+            if (block_tables[r * max_blocks + b] < 0 || block_tables[r * max_blocks + b] >= num_blocks)
+                return 0;
+    }
+    return 1;
+}
+
 /* q, out: [batch, heads, head_dim]; caches: [kv_heads, num_blocks, block_size, head_dim];
- * block_tables: [batch, max_blocks]; seq_lens: [batch], each >= 1. Returns 0, or -1 if out of memory. */
+ * block_tables: [batch, max_blocks]; seq_lens: [batch], each >= 1. Returns 0, -1 if out of memory, or -2
+ * for a length or block id out of bounds (tables_in_bounds). */
 int paged_decode_attention(
     const float *q, const float *k_cache, const float *v_cache, const int64_t *block_tables,
     const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale,
     int num_threads)
 {
+    if (!tables_in_bounds(block_tables, seq_lens, batch, max_blocks, num_blocks, block_size))
+        return -2;
     const int64_t group = num_heads / num_kv_heads;
     int64_t max_len = 1;
     for (int64_t b = 0; b < batch; b++)

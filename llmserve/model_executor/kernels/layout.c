@@ -1,0 +1,30 @@
+/* The layout of the structs native.py builds with ctypes, so that it can check its copies when it loads
+ * the library: a field that moved in one language and not the other would otherwise be read silently
+ * from the wrong bytes. */
+#include <stddef.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#define SIZE(type)          \
+    if (!strcmp(name, #type)) \
+        return (int64_t)sizeof(type);
+#define FIELD(type, field)              \
+    if (!strcmp(name, #type "." #field)) \
+        return (int64_t)offsetof(type, field);
+
+/* sizeof(T) for name "T", offsetof(T, f) for "T.f", or -1 for a struct or field not passed to ctypes. */
+int64_t struct_layout(const char *name)
+{
+    SIZE(WeightPart) FIELD(WeightPart, data) FIELD(WeightPart, qtype) FIELD(WeightPart, rows)
+    SIZE(Weight) FIELD(Weight, parts) FIELD(Weight, num_parts) FIELD(Weight, bias)
+    SIZE(LayerSpec) FIELD(LayerSpec, input_norm) FIELD(LayerSpec, post_norm) FIELD(LayerSpec, qkv)
+    FIELD(LayerSpec, o) FIELD(LayerSpec, gate_up) FIELD(LayerSpec, down) FIELD(LayerSpec, k_cache)
+    FIELD(LayerSpec, v_cache)
+    SIZE(DecoderSpec) FIELD(DecoderSpec, num_layers) FIELD(DecoderSpec, hidden) FIELD(DecoderSpec, num_heads)
+    FIELD(DecoderSpec, num_kv_heads) FIELD(DecoderSpec, head_dim) FIELD(DecoderSpec, intermediate)
+    FIELD(DecoderSpec, num_blocks) FIELD(DecoderSpec, block_size) FIELD(DecoderSpec, int8_activations)
+    FIELD(DecoderSpec, block_rows) FIELD(DecoderSpec, eps) FIELD(DecoderSpec, scale) FIELD(DecoderSpec, layers)
+    FIELD(DecoderSpec, rope_cos) FIELD(DecoderSpec, rope_sin) FIELD(DecoderSpec, final_norm)
+    return -1;
+}

@@ -1,0 +1,78 @@
+"""The structs passed to the C kernels through ctypes, and the check that they match the C layout.
+
+A ctypes Structure is a second declaration of a C struct: a field added, moved or retyped on one side
+only would make the kernels read the wrong bytes without any error. `layout_mismatches` compares the
+sizes and offsets ctypes computes with those layout.c reports from the compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+MAX_WEIGHT_PARTS = 3
+
+
+class WeightPart(ctypes.Structure):
+    _fields_ = [("data", _PTR), ("qtype", _I64), ("rows", _I64)]
+
+
+class Weight(ctypes.Structure):
+    """weight_gemm.c's view of a stored weight: up to three parts of rows stacked, and a bias. The tensors
+    behind the addresses must outlive it."""
+
+    _fields_ = [("parts", WeightPart * MAX_WEIGHT_PARTS), ("num_parts", _I64), ("bias", _PTR)]
+
+
+class LayerSpec(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _PTR),
+        ("post_norm", _PTR),
+        ("qkv", Weight),
+        ("o", Weight),
+        ("gate_up", Weight),
+        ("down", Weight),
+        ("k_cache", _PTR),
+        ("v_cache", _PTR),
+    ]
+
+
+class DecoderSpec(ctypes.Structure):
+    """decoder_step.c's view of a model: its shapes and the addresses of its weights and KV cache. The
+    tensors behind the addresses must outlive it."""
+
+    _fields_ = [
+        *((name, _I64) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim")),
+        *((name, _I64) for name in ("intermediate", "num_blocks", "block_size", "int8_activations")),
+        ("block_rows", _I64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("layers", ctypes.POINTER(LayerSpec)),
+        ("rope_cos", _PTR),
+        ("rope_sin", _PTR),
+        ("final_norm", _PTR),
+    ]
+
+
+STRUCTS: tuple[type[ctypes.Structure], ...] = (WeightPart, Weight, LayerSpec, DecoderSpec)
+
+
+def layout_mismatches(
+    library: ctypes.CDLL, structs: tuple[type[ctypes.Structure], ...] = STRUCTS
+) -> list[str]:
+    """Each size or field offset of `structs` that differs from the C struct of the same name (-1: C has
+    no such struct or field); empty when they all agree."""
+    layout = library.struct_layout
+    layout.argtypes, layout.restype = [ctypes.c_char_p], _I64
+    found = []
+    for struct in structs:
+        expected = {struct.__name__: ctypes.sizeof(struct)}
+        for field, *_ in struct._fields_:
+            expected[f"{struct.__name__}.{field}"] = getattr(struct, field).offset
+        for name, python in expected.items():
+            c = layout(name.encode())
+            if c != python:
+                found.append(f"{name}: ctypes {python}, C {c}")
+    return found
