@@ -485,3 +485,41 @@ def test_top5_logprobs_equal_transformers(
         assert sorted(top.values(), reverse=True) == pytest.approx(expected, abs=1e-3)
         assert set(top) == {tokenizer.decode([t]) for t in reference.indices[position, :5].tolist()}
         assert lp.tokens[position] == tokenizer.decode([reference.indices[position, 0].item()])
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_count_tokens_in_every_chunk(server: RemoteServer, path: str) -> None:
+    """vLLM's `stream_options.continuous_usage_stats` (guidellm sends it): every chunk carries the usage so
+    far, the prompt's tokens fixed and the completion's growing to the final count."""
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 7,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    if path == "/v1/completions":
+        body["prompt"] = [PROMPT, PROMPT + " a city"]
+    else:
+        body["messages"] = [{"role": "user", "content": "Name a colour."}]
+    with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    usages = [c["usage"] for c in chunks]
+    assert all(u is not None for u in usages)
+    assert len({u["prompt_tokens"] for u in usages}) == 1 and usages[0]["prompt_tokens"] > 0
+    completions = [u["completion_tokens"] for u in usages]
+    assert completions == sorted(completions) and completions[-1] == 7 * (
+        2 if path == "/v1/completions" else 1
+    )
+    assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+    streamed = sum(
+        1
+        for c in chunks
+        for choice in c["choices"]
+        if choice.get("text") or choice.get("delta", {}).get("content")
+    )
+    assert streamed > 1  # several chunks, each with its running count

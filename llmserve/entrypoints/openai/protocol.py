@@ -58,6 +58,7 @@ def _all_unicode(value: object) -> bool:
 
 class StreamOptions(OpenAIRequest):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class SamplingRequest(OpenAIRequest):
@@ -90,6 +91,15 @@ class SamplingRequest(OpenAIRequest):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk, as vLLM sends it (guidellm asks for it to count tokens as they come)."""
+        return (
+            self.include_usage
+            and self.stream_options is not None
+            and self.stream_options.continuous_usage_stats
+        )
 
     def engine_logit_bias(self) -> dict[int, float] | None:
         """`logit_bias` with integer token ids; raises `ValueError` when a key is not one."""

@@ -85,6 +85,8 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
 
         def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+            if usage is None and request.continuous_usage:
+                usage = UsageInfo.of(len(prompt.token_ids), completion_tokens)
             return event(
                 ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
             )

@@ -109,7 +109,7 @@ class OpenAIServingCompletion(OpenAIServing):
         unechoed = set(range(len(prompts) * params.n)) if request.echo else set()
         echoes: dict[int, Echo | None] = {}  # by prompt, from its request's first output
         text_offsets = [0] * (len(prompts) * params.n)
-        completion_tokens = 0
+        prompt_tokens, completion_tokens = sum(len(p.token_ids) for p in prompts), 0
         try:
             async with aclosing(self.generate(request_id, prompts, params)) as stream:
                 async for i, output in stream:
@@ -125,11 +125,16 @@ class OpenAIServingCompletion(OpenAIServing):
                             index, sample, params, text_offsets[index], echo
                         )
                         choices.append(choice)
+                    so_far = (
+                        UsageInfo.of(prompt_tokens, completion_tokens) if request.continuous_usage else None
+                    )
                     yield event(
-                        CompletionResponse(id=request_id, created=created, model=model, choices=choices)
+                        CompletionResponse(
+                            id=request_id, created=created, model=model, choices=choices, usage=so_far
+                        )
                     )
             if request.include_usage:
-                usage = UsageInfo.of(sum(len(p.token_ids) for p in prompts), completion_tokens)
+                usage = UsageInfo.of(prompt_tokens, completion_tokens)
                 yield event(
                     CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage)
                 )
