@@ -24,13 +24,6 @@ pytestmark = pytest.mark.usefixtures("native_library")
 KV_HEADS = 2
 
 
-@pytest.fixture(params=native.supported_isas())
-def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv("LLMSERVE_CPU_ISA", request.param)
-    assert native.load_library() is not None, "the C kernels must build here"
-    return str(request.param)
-
-
 def reference_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
 ) -> torch.Tensor:

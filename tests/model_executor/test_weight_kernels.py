@@ -21,13 +21,6 @@ from tests.model_executor.stored_weights import (
 from tests.model_executor.stored_weights import random_stored as stored
 
 
-@pytest.fixture(params=native.supported_isas())
-def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv("LLMSERVE_CPU_ISA", request.param)
-    assert native.load_library() is not None, "the C kernels must build here"
-    return str(request.param)
-
-
 def assert_product_close(
     y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
 ) -> None:
