@@ -16,6 +16,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 Quantization = Literal["none", "gguf", "fp16", "int8", "int4"]
+SchedulingPolicy = Literal["fcfs", "priority"]
 
 
 @dataclass(frozen=True)
@@ -66,12 +67,33 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    # fcfs: arrival order. priority (vLLM's): lower `priority` first, then arrival; when KV blocks run
+    # out, the running request last in that order is preempted instead of the newest.
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    # Seconds a request may wait in the core's queue before it is first scheduled; past that it ends
+    # unrun (finish reason queue_timeout, a 503 from the server). None: it waits as long as it takes.
+    max_queue_time: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
+        if self.scheduling_policy not in get_args(SchedulingPolicy):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}.")
+        if self.max_queue_time is not None and not self.max_queue_time > 0:
+            raise ValueError(f"max_queue_time must be positive, got {self.max_queue_time}.")
+
+    def check_priority(self, priority: object) -> None:
+        """vLLM's rule: a request's priority means something only under the priority policy, so any
+        other value than 0 is refused there rather than ignored."""
+        if type(priority) is not int or not -(2**63) <= priority < 2**63:
+            raise ValueError(f"priority must be a 64-bit integer, got {priority!r}.")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority {priority} needs the priority scheduling policy (--scheduling-policy "
+                "priority); this engine schedules first come, first served."
+            )
 
 
 @dataclass(frozen=True)
@@ -111,6 +133,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    max_queue_time: float | None = None  # seconds
     multiprocess: bool = True  # run the engine core in its own process (False: in this one)
 
     def create_engine_config(self) -> EngineConfig:

@@ -12,6 +12,8 @@ import msgspec
 # Integers travel to the engine core as msgpack int64 and seed torch generators: bound them so.
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
+# OpenAI's bound on `n`, kept offline too: each sample is a sequence in the engine.
+MAX_N = 128
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -53,6 +55,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     skip_special_tokens: bool = True
     logprobs: int | None = None  # top-k logprobs per generated token (-1: the whole vocabulary)
     prompt_logprobs: int | None = None  # top-k logprobs per prompt position (-1: the whole vocabulary)
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: max_model_len)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -75,8 +78,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}.")
-        if not _is_int(self.n) or not 1 <= self.n <= INT64_MAX:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}.")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer from 1 to {MAX_N}, got {self.n!r}.")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
@@ -105,6 +108,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not -1 <= value <= INT64_MAX):
                 raise ValueError(f"{name} must be -1 (all), 0 or positive, got {value!r}.")
+        if self.truncate_prompt_tokens is not None and not (
+            _is_int(self.truncate_prompt_tokens)
+            and (self.truncate_prompt_tokens == -1 or 1 <= self.truncate_prompt_tokens <= INT64_MAX)
+        ):
+            raise ValueError(
+                f"truncate_prompt_tokens must be an integer >= 1 or -1, got {self.truncate_prompt_tokens!r}."
+            )
         if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
             raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed!r}.")
 

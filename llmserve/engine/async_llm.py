@@ -16,9 +16,10 @@ from llmserve.config import DEFAULT_MODEL, EngineArgs, EngineConfig
 from llmserve.engine.exceptions import EngineDeadError
 from llmserve.engine.front_end import FrontEnd
 from llmserve.engine.input_processor import PromptType
-from llmserve.engine.messages import SchedulerStats
+from llmserve.engine.messages import EngineCoreOutput, FinishReason, SchedulerStats
 from llmserve.engine.output_collector import RequestOutputCollector
 from llmserve.engine.parallel_sampling import fan_out
+from llmserve.engine.queue_limits import QueueLimits, QueueTimeoutError
 from llmserve.metrics.loggers import LoggingStatLogger
 from llmserve.metrics.stats import IterationStats
 from llmserve.outputs import RequestOutput
@@ -41,6 +42,8 @@ class AsyncLLM:
     """Constructed like `LLM`: `AsyncLLM()` loads the default model; keyword arguments are `EngineArgs`
     fields. With `start_engine_loop` the output handler starts as soon as an event loop runs (at
     construction inside one, else with the first request); without, only with the first request.
+    `max_num_queued_requests` / `max_num_queued_tokens` bound the requests without a first output
+    yet (see `QueueLimits`): past them, `add_request` raises `QueueFullError`.
     """
 
     def __init__(
@@ -50,9 +53,12 @@ class AsyncLLM:
         log_stats: bool = True,
         start_engine_loop: bool = True,
         stat_loggers: Iterable[StatLogger] = (),
+        max_num_queued_requests: int | None = None,
+        max_num_queued_tokens: int | None = None,
         **engine_kwargs: Any,
     ) -> None:
         config = EngineArgs.from_kwargs(model=model, **engine_kwargs).create_engine_config()
+        self.queue = QueueLimits(max_num_queued_requests, max_num_queued_tokens)
         self._init(config, log_requests, log_stats, list(stat_loggers))
         if start_engine_loop:
             try:
@@ -97,21 +103,28 @@ class AsyncLLM:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> RequestOutputCollector:
-        """Validate (raising `ValueError` before anything reaches the core) and submit."""
+        """Validate (raising `ValueError` before anything reaches the core), admit (raising
+        `QueueFullError` when the queue is full) and submit."""
         if self._dead_error is not None:
             raise EngineDeadError(f"The engine is dead: {self._dead_error}")
-        text, parent, requests = fan_out(self.input_processor, request_id, prompt, params, arrival_time)
+        self.config.scheduler_config.check_priority(priority)
+        text, parent, requests = fan_out(
+            self.input_processor, request_id, prompt, params, arrival_time, priority
+        )
         if request_id in self.output_processor.request_states or request_id in self.output_processor.parents:
             raise ValueError(f"Request id {request_id!r} is already in use.")
+        self.queue.admit(requests)
         self._start_output_handler()
         collector = RequestOutputCollector(params.output_kind)
-        for index, request in enumerate(requests):
-            self.output_processor.add_request(request, text, parent, index, collector)
         try:
+            for index, request in enumerate(requests):
+                self.output_processor.add_request(request, text, parent, index, collector)
             for request in requests:
                 await self.engine_core.add_request_async(request)
         except BaseException:  # no child may outlive a failed submission (n > 1: those already sent)
+            self.queue.release(r.request_id for r in requests)
             await asyncio.shield(self.abort(request_id))
             raise
         if self.log_requests:
@@ -124,11 +137,13 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         request_id: str,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream this request's outputs. Closing or cancelling the stream aborts the request."""
+        """Stream this request's outputs. Closing or cancelling the stream aborts the request. A
+        request that waited in the core past `max_queue_time` raises `QueueTimeoutError`."""
         collector: RequestOutputCollector | None = None
         try:
-            collector = await self.add_request(request_id, prompt, sampling_params, arrival_time)
+            collector = await self.add_request(request_id, prompt, sampling_params, arrival_time, priority)
             finished = False
             while not finished:
                 output = collector.get_nowait() or await collector.get()
@@ -143,6 +158,7 @@ class AsyncLLM:
         """Abort requests (parents abort every child); unknown or finished ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         core_ids = self.output_processor.abort_requests(ids)
+        self.queue.release(core_ids)
         if self._dead_error is None and core_ids:
             with contextlib.suppress(EngineDeadError):  # the output handler reports the death
                 await self.engine_core.abort_requests_async(core_ids)
@@ -158,10 +174,13 @@ class AsyncLLM:
             while True:
                 outputs = await self.engine_core.get_output_async()
                 items = outputs.outputs
+                if self.queue:  # any output, the last one too, ends a request's wait
+                    self.queue.release(o.request_id for o in items)
                 for start in range(0, max(len(items), 1), OUTPUT_CHUNK_SIZE):
-                    processed = self.output_processor.process_outputs(
-                        items[start : start + OUTPUT_CHUNK_SIZE]
-                    )
+                    chunk = items[start : start + OUTPUT_CHUNK_SIZE]
+                    if self.config.scheduler_config.max_queue_time is not None:
+                        await self._fail_timed_out(chunk)
+                    processed = self.output_processor.process_outputs(chunk)
                     if processed.reqs_to_abort:
                         await self.engine_core.abort_requests_async(processed.reqs_to_abort)
                     for logger_ in self.stat_loggers:
@@ -184,6 +203,26 @@ class AsyncLLM:
             self._dead_error = error
             logger.error("The engine died: %s", error)
             self.output_processor.propagate_error(error)
+            self.queue.clear()
+
+    async def _fail_timed_out(self, outputs: list[EngineCoreOutput]) -> None:
+        """Requests the core ended unrun (max_queue_time) raise `QueueTimeoutError` in their streams
+        instead of finishing; a parent's other samples are aborted with them."""
+        for output in outputs:
+            if output.finish_reason != FinishReason.QUEUE_TIMEOUT:
+                continue
+            state = self.output_processor.request_states.get(output.request_id)
+            if state is None:  # aborted meanwhile, or a sibling already failed it
+                continue
+            await self.abort(state.external_id)
+            if state.sink is not None:
+                wait = self.config.scheduler_config.max_queue_time
+                state.sink.put(
+                    QueueTimeoutError(
+                        f"The request waited over {wait:g} s (max_queue_time) to be scheduled and was "
+                        "dropped: the server is overloaded. Retry later."
+                    )
+                )
 
     def shutdown(self) -> None:
         if self._output_handler is not None:

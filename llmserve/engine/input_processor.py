@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import time
-from typing import TypedDict, Union
+from typing import Any, TypedDict, Union
 
 from transformers import PreTrainedTokenizerBase
 
@@ -22,6 +23,40 @@ class TokensPrompt(TypedDict):
 
 PromptType = Union[str, TextPrompt, TokensPrompt]
 ChatMessage = dict[str, object]
+
+# Names `apply_chat_template` takes as its own arguments (and passes on as `conversations`): keys of
+# `chat_template_kwargs` that would collide with them or change what it returns, instead of reaching
+# the template. `documents` (vLLM's RAG field) is one too, but it reaches the template as it is.
+_TEMPLATE_ARGUMENTS = {
+    name
+    for name, p in inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.items()
+    if p.kind is not inspect.Parameter.VAR_KEYWORD and name not in ("self", "documents")
+} | {"conversations"}
+
+
+def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
+    """vLLM's 400 (and its message) for a prompt plus `max_tokens` beyond the context: the engine would
+    otherwise stop the request short, at max_model_len, with `finish_reason: "length"`."""
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the "
+            "completion). Please reduce the length of the messages or completion."
+        )
+
+
+def _check_continuable(conversation: list[ChatMessage], add_generation_prompt: bool) -> None:
+    """`continue_final_message` continues an assistant message, and opens no new one (vLLM's rule)."""
+    if add_generation_prompt:
+        raise ValueError(
+            "continue_final_message and add_generation_prompt cannot both be true: "
+            "set add_generation_prompt to false (its default is true)."
+        )
+    role = conversation[-1].get("role")
+    if role != "assistant":
+        raise ValueError(
+            f"continue_final_message continues the last message, which must be the assistant's; got {role!r}."
+        )
 
 
 class InputProcessor:
@@ -45,12 +80,17 @@ class InputProcessor:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
+        *,
+        add_special_tokens: bool = True,
     ) -> tuple[EngineCoreRequest, str | None]:
-        """Returns the core request and the prompt text (None for a token-id prompt)."""
+        """Returns the core request and the prompt text (None for a token-id prompt).
+        `add_special_tokens` is the tokenizer's (a BOS, for models that have one) for text prompts."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         self._validate_params(params)
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = self._tokenize(prompt, add_special_tokens)
+        token_ids = self._truncate(token_ids, params.truncate_prompt_tokens)
         self._validate_tokens(token_ids)
         bad_words_token_ids = self._bad_words_token_ids(params.bad_words) if params.bad_words else None
         if self.extra_eos_ids and not params.ignore_eos:
@@ -62,6 +102,7 @@ class InputProcessor:
             eos_token_id=self.eos_token_id,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             bad_words_token_ids=bad_words_token_ids,
+            priority=priority,
         )
         return request, text
 
@@ -70,27 +111,79 @@ class InputProcessor:
         conversation: list[ChatMessage],
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> TokensPrompt:
-        """Apply the chat template; the template already writes any special tokens it wants."""
+        """The conversation through the chat template, tokenized. The template writes the special
+        tokens it wants; `add_special_tokens` adds the tokenizer's own (a BOS) on top, as vLLM's does."""
+        text = self.render_chat_text(
+            conversation,
+            chat_template,
+            add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return TokensPrompt(
+            prompt_token_ids=self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        )
+
+    def render_chat_text(
+        self,
+        conversation: list[ChatMessage],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The chat template's text, as vLLM renders it: `continue_final_message` leaves the last
+        (assistant) message open, for the model to continue; `chat_template_kwargs` become template
+        variables (e.g. Qwen3's `enable_thinking`)."""
         if not isinstance(conversation, list) or not conversation:
             raise ValueError("A conversation must be a non-empty list of messages.")
         for message in conversation:
             if not isinstance(message, dict) or "role" not in message:
                 raise ValueError(f"Each chat message needs a 'role', got {message!r}.")
+        if continue_final_message:
+            _check_continuable(conversation, add_generation_prompt)
+        kwargs = dict(chat_template_kwargs or {})
+        taken = sorted(set(kwargs) & _TEMPLATE_ARGUMENTS)
+        if taken:
+            raise ValueError(
+                f"chat_template_kwargs must not set {', '.join(taken)}: these are arguments of the "
+                "template call, not template variables."
+            )
         if chat_template is None and self.tokenizer.chat_template is None:
             raise ValueError("This model has no chat template; pass chat_template=... to use chat.")
-        text = self.tokenizer.apply_chat_template(
-            conversation,  # type: ignore[arg-type]
-            chat_template=chat_template,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
+        text = str(
+            self.tokenizer.apply_chat_template(
+                conversation,  # type: ignore[arg-type]
+                chat_template=chat_template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **kwargs,
+            )
         )
-        if not is_unicode(str(text)):
+        if not is_unicode(text):
             raise ValueError("The conversation is not valid Unicode: it holds a lone surrogate.")
-        token_ids = self.tokenizer.encode(str(text), add_special_tokens=False)
-        return TokensPrompt(prompt_token_ids=token_ids)
+        return text
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: max_model_len)."""
+        if keep is None:
+            return token_ids
+        max_len = self.limits.max_model_len
+        if keep > max_len:
+            raise ValueError(
+                f"truncate_prompt_tokens ({keep}) cannot be greater than max_model_len ({max_len}). "
+                "Please select a smaller truncation size."
+            )
+        return token_ids[-(max_len if keep == -1 else keep) :]
+
+    def _tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]  # type: ignore[typeddict-item]
             if not isinstance(ids, list) or not all(type(t) is int for t in ids):  # not bools either
@@ -100,7 +193,7 @@ class InputProcessor:
         if isinstance(text, str):
             if not is_unicode(text):
                 raise ValueError("The prompt is not valid Unicode: it holds a lone surrogate.")
-            return text, self.tokenizer.encode(text)
+            return text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         raise ValueError(
             "A prompt must be a string, {'prompt': str} or {'prompt_token_ids': list[int]}, "
             f"got {type(prompt).__name__}."

@@ -36,9 +36,11 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Validates before anything is registered, so a bad request leaves no trace."""
-        self.submit(*fan_out(self.input_processor, request_id, prompt, params, arrival_time))
+        self.config.scheduler_config.check_priority(priority)
+        self.submit(*fan_out(self.input_processor, request_id, prompt, params, arrival_time, priority))
 
     def submit(
         self, prompt_text: str | None, parent: ParentRequest | None, requests: list[EngineCoreRequest]

@@ -17,6 +17,7 @@ class FinishReason(enum.IntEnum):
     STOP = 0  # EOS, a stop token or a stop string
     LENGTH = 1  # max_tokens or max_model_len reached
     ABORT = 2  # aborted by the caller
+    QUEUE_TIMEOUT = 3  # waited longer than max_queue_time to be scheduled; nothing was generated
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -26,7 +27,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     """A validated, tokenized request. `eos_token_id` is None when the model has none.
 
     `bad_words_token_ids` holds the token sequences of `sampling_params.bad_words`, tokenized by the
-    front end (the core has no tokenizer).
+    front end (the core has no tokenizer). `priority` orders the waiting queue under the priority
+    scheduling policy (lower first); under fcfs the front end only lets 0 through.
     """
 
     request_id: str
@@ -35,6 +37,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     eos_token_id: int | None
     arrival_time: float
     bad_words_token_ids: list[list[int]] | None = None
+    priority: int = 0
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

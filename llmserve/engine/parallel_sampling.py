@@ -55,10 +55,11 @@ def fan_out(
     prompt: PromptType,
     params: SamplingParams,
     arrival_time: float | None = None,
+    priority: int = 0,
 ) -> tuple[str | None, ParentRequest | None, list[EngineCoreRequest]]:
     """Validate and tokenize once; returns the prompt text, the parent (n > 1 only) and the core
     requests to submit (the children, or the request itself)."""
-    request, text = processor.process_inputs(request_id, prompt, params, arrival_time)
+    request, text = processor.process_inputs(request_id, prompt, params, arrival_time, priority)
     if params.n == 1:
         return text, None, [request]
     parent = ParentRequest(request_id, request.sampling_params)

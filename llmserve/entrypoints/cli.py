@@ -24,7 +24,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             continue
         args = [a for a in typing.get_args(hint) if a is not type(None)]
-        kind = int if int in args or hint is int else str
+        kind = int if int in args or hint is int else float if float in args or hint is float else str
         parser.add_argument(
             flag, type=kind, default=f.default, choices=choices or None, help=f"(default: {f.default})"
         )

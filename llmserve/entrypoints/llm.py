@@ -10,7 +10,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from llmserve.config import DEFAULT_MODEL, EngineArgs
-from llmserve.engine.input_processor import ChatMessage, PromptType
+from llmserve.engine.input_processor import ChatMessage, PromptType, check_context_length
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.parallel_sampling import fan_out
 from llmserve.outputs import RequestOutput
@@ -32,12 +32,19 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs come back in the order of `prompts`."""
+        """Outputs come back in the order of `prompts`. `priority` (one per prompt, lower first) needs
+        `scheduling_policy="priority"`."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompt_list = list(prompts)
-        return self._run(prompt_list, self._params_per_prompt(sampling_params, len(prompt_list)), use_tqdm)
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(
+                f"Got {len(priority)} priorities for {len(prompt_list)} prompts; they must match."
+            )
+        params = self._params_per_prompt(sampling_params, len(prompt_list))
+        return self._run(prompt_list, params, use_tqdm, priority)
 
     def chat(
         self,
@@ -46,13 +53,23 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a list of them, through the model's chat template."""
+        """One conversation (a list of messages) or a list of them, through the model's chat template;
+        `continue_final_message` and `chat_template_kwargs` as in vLLM (see `InputProcessor.render_chat`)."""
         single = bool(messages) and isinstance(messages[0], dict)
         conversations: list[list[ChatMessage]] = [messages] if single else messages  # type: ignore[list-item,assignment]
         processor = self.llm_engine.input_processor
         prompts: list[PromptType] = [
-            processor.render_chat(c, chat_template, add_generation_prompt) for c in conversations
+            processor.render_chat(
+                c,
+                chat_template,
+                add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            for c in conversations
         ]
         return self._run(prompts, self._params_per_prompt(sampling_params, len(prompts)), use_tqdm)
 
@@ -70,14 +87,28 @@ class LLM:
         return params
 
     def _run(
-        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         # Only finished outputs are returned: whatever the output kind, each holds the whole sample.
         params = [sp.clone(output_kind=RequestOutputKind.FINAL_ONLY) for sp in params]
         ids = [str(next(self._request_counter)) for _ in prompts]
         # All validated before any is submitted, so one bad prompt leaves the engine untouched.
-        staged = [fan_out(engine.input_processor, i, p, sp) for i, p, sp in zip(ids, prompts, params)]
+        priorities = priority or [0] * len(prompts)
+        for p in priorities:
+            engine.config.scheduler_config.check_priority(p)
+        staged = [
+            fan_out(engine.input_processor, i, p, sp, priority=rank)
+            for i, p, sp, rank in zip(ids, prompts, params, priorities)
+        ]
+        # as the server's 400: max_tokens past the context would be cut short, at max_model_len
+        max_model_len = engine.input_processor.limits.max_model_len
+        for (_, _, requests), sp in zip(staged, params):
+            check_context_length(len(requests[0].prompt_token_ids), sp.max_tokens, max_model_len)
         for item in staged:
             engine.submit(*item)
         order = {request_id: i for i, request_id in enumerate(ids)}

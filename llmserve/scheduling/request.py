@@ -15,6 +15,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
+    FINISHED_QUEUE_TIMEOUT = 6  # never scheduled within max_queue_time
 
     @property
     def finished(self) -> bool:
@@ -29,6 +30,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_QUEUE_TIMEOUT: FinishReason.QUEUE_TIMEOUT,
 }
 
 
@@ -49,12 +51,14 @@ class Request:
         arrival_time: float,
         max_model_len: int,
         bad_words_token_ids: list[list[int]] | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
+        self.priority = priority
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -79,6 +83,7 @@ class Request:
             req.arrival_time,
             max_model_len,
             req.bad_words_token_ids,
+            req.priority,
         )
 
     @property

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import bisect
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmserve.config import SchedulerConfig
-from llmserve.engine.messages import EngineCoreOutput, SchedulerStats, TokenLogprobs
+from llmserve.engine.messages import EngineCoreOutput, FinishReason, SchedulerStats, TokenLogprobs
 from llmserve.scheduling.kv_cache_manager import KVCacheManager
 from llmserve.scheduling.request import Request, RequestStatus
+from llmserve.scheduling.request_queue import RequestQueue, make_request_queue
 
 
 @dataclass
@@ -45,20 +49,42 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
+def _rank(request: Request) -> tuple[int, float]:
+    """The priority policy's order: lower priority values first, then earlier arrivals."""
+    return request.priority, request.arrival_time
+
+
 class Scheduler:
     """vLLM v1's scheme: no separate prefill and decode phases, only `num_computed_tokens` catching up
-    with `num_tokens`. Running requests go first (oldest first); new ones are admitted while the token
-    budget, `max_num_seqs` and the KV pool allow. When blocks run out, the newest running request is
-    preempted: its blocks are freed and it recomputes later from the front of the waiting queue.
+    with `num_tokens`. Running requests go first; new ones are admitted in the waiting queue's order
+    while the token budget, `max_num_seqs` and the KV pool allow. When blocks run out, the last running
+    request is preempted: its blocks are freed and it recomputes later, ahead of later arrivals.
+
+    Under fcfs, `running` is in admission order (the newest is preempted); under the priority policy it
+    is kept in `_rank` order, so the victim is the request of the largest (priority, arrival), as in
+    vLLM v1. With `max_queue_time`, a request never scheduled within that many seconds of reaching
+    the scheduler ends with `FinishReason.QUEUE_TIMEOUT`. `clock` is for tests.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting: RequestQueue = make_request_queue(config.scheduling_policy)
         self.running: list[Request] = []
+        self._by_priority = config.scheduling_policy == "priority"
+        self._clock = clock
+        # (deadline, request) in arrival order, so deadlines ascend; entries outlive their requests'
+        # admission and are dropped when their deadline passes
+        self._queue_deadlines: deque[tuple[float, Request]] = deque()
+        self._expired: list[EngineCoreOutput] = []  # sent with the next update_from_output
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
 
@@ -66,12 +92,16 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"Request id {request.request_id!r} is already in use.")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
+        if self.config.max_queue_time is not None:
+            self._queue_deadlines.append((self._clock() + self.config.max_queue_time, request))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     def schedule(self) -> SchedulerOutput:
+        if self._queue_deadlines:
+            self._expire_waiting()
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted = False
@@ -97,22 +127,41 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            request = self.waiting[0]  # new or preempted: nothing computed
+            request = self.waiting.peek()  # new or preempted: nothing computed
             computed = self.kv_cache_manager.get_computed_blocks(request)
             num_cached = len(computed) * self.kv_cache_manager.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv_cache_manager.allocate_slots(request, num_new, computed):
                 break
             request.num_computed_tokens = num_cached
-            self.waiting.popleft()
+            self.waiting.pop()
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            if self._by_priority:
+                bisect.insort(self.running, request, key=_rank)
+            else:
+                self.running.append(request)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
 
         out = SchedulerOutput(scheduled, self._finished_ids)
         self._finished_ids = []
         return out
+
+    def _expire_waiting(self) -> None:
+        """Requests past their deadline that were never scheduled finish unrun (they hold no blocks)."""
+        now = self._clock()
+        expired: list[Request] = []
+        while self._queue_deadlines and self._queue_deadlines[0][0] <= now:
+            _, request = self._queue_deadlines.popleft()
+            if request.status == RequestStatus.WAITING:
+                expired.append(request)
+        if not expired:
+            return
+        self.waiting.remove(set(expired))
+        for request in expired:
+            request.status = RequestStatus.FINISHED_QUEUE_TIMEOUT
+            self._free_finished(request)
+            self._expired.append(EngineCoreOutput(request.request_id, [], FinishReason.QUEUE_TIMEOUT))
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(
@@ -128,13 +177,14 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.prepend(request)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Advance every scheduled request; append sampled tokens; finish those that stop."""
-        outputs: list[EngineCoreOutput] = []
+        """Advance every scheduled request; append sampled tokens; finish those that stop. The
+        outputs start with those of the requests `schedule()` found expired."""
+        outputs, self._expired = self._expired, []
         for sched in scheduler_output.scheduled:
             request = sched.request
             if request.status.finished:  # aborted while the step ran
@@ -165,19 +215,14 @@ class Scheduler:
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[str]:
         """Finish (abort) requests wherever they are; unknown or finished ids are ignored."""
-        done = []
-        for request_id in request_ids:
-            request = self.requests.get(request_id)
-            if request is None:
-                continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
+        found = [r for r in map(self.requests.get, dict.fromkeys(request_ids)) if r is not None]
+        queued = {r for r in found if r.status != RequestStatus.RUNNING}
+        if queued:
+            self.waiting.remove(queued)
+        for request in found:
             request.status = status
             self._free_finished(request)
-            done.append(request_id)
-        return done
+        return [r.request_id for r in found]
 
     def _free_finished(self, request: Request) -> None:
         if request in self.running:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 from llmserve.config import SchedulerConfig
 from llmserve.engine.messages import FinishReason
 from llmserve.scheduling.kv_cache_manager import KVCacheManager
@@ -8,7 +10,7 @@ from llmserve.scheduling.scheduler import ModelRunnerOutput, Scheduler, Schedule
 from tests.scheduling.fake_requests import make_request
 
 
-def make_scheduler(num_blocks: int = 64, block_size: int = 4, **config: int) -> Scheduler:
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, **config: Any) -> Scheduler:
     return Scheduler(SchedulerConfig(**config), KVCacheManager(num_blocks, block_size), max_model_len=4096)
 
 
@@ -85,7 +87,7 @@ def test_preempts_newest_when_blocks_run_out_and_recomputes_it() -> None:
     assert [s.request.request_id for s in output.scheduled] == ["old"]
     assert new.status == RequestStatus.PREEMPTED
     assert new.num_computed_tokens == 0 and new.num_output_tokens == 2
-    assert scheduler.waiting[0] is new
+    assert scheduler.waiting.peek() is new
     while scheduler.has_unfinished_requests():
         step(scheduler)
     assert old.num_output_tokens == 6 and new.num_output_tokens == 6

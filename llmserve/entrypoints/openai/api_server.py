@@ -12,10 +12,13 @@ import socket
 from concurrent.futures import Executor, ThreadPoolExecutor
 from functools import partial
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmserve import __version__
@@ -24,7 +27,12 @@ from llmserve.engine.async_llm import AsyncLLM
 from llmserve.engine.core_proc import LOG_FORMAT
 from llmserve.engine.exceptions import EngineDeadError
 from llmserve.entrypoints.openai.disconnect import cancel_on_disconnect
-from llmserve.entrypoints.openai.errors import OpenAIError, engine_dead, install_error_handlers
+from llmserve.entrypoints.openai.errors import (
+    ErrorResponse,
+    OpenAIError,
+    engine_dead,
+    install_error_handlers,
+)
 from llmserve.entrypoints.openai.limits import RequestBodyLimitMiddleware, head_timeout_protocol
 from llmserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -32,6 +40,7 @@ from llmserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from llmserve.entrypoints.openai.request_id import RequestIdEchoMiddleware, with_header_id
 from llmserve.entrypoints.openai.responses import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -57,6 +66,18 @@ logger = logging.getLogger("llmserve")
 SHUTDOWN_GRACE_SECONDS = 5
 # /metrics asks the core for its current queue and KV numbers (it sends none while idle), briefly.
 SCHEDULER_STATS_TIMEOUT_SECONDS = 1.0
+# /openapi.json: every error, whatever its status, is OpenAI's error body (never FastAPI's 422 shape).
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorResponse, "description": "The request was refused (OpenAI's error body)."},
+    "5XX": {"model": ErrorResponse, "description": "The server failed or is stopping."},
+}
+
+
+def json_or_events(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """/openapi.json's 200 of a generating route: `model` as JSON, or Server-Sent Events if `stream`."""
+    # In Open API 3.1 an event stream's `schema` describes one event: `data: <chunk JSON>`, `data: [DONE]`.
+    event = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+    return {200: {"model": model, "content": {"text/event-stream": {"schema": event}}}}
 
 
 def bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
@@ -126,19 +147,21 @@ def build_app(
     stat loggers; setting `stopping` ends the requests in flight; `executor` (the caller's) tokenizes."""
     model = engine.config.model_config.model
     models = ServedModels(args.served_model_names or (model,), model, engine.limits.max_model_len)
-    completions = OpenAIServingCompletion(engine, models, stopping, executor)
-    chat = OpenAIServingChat(engine, models, stopping, executor)
+    as_ids = args.return_tokens_as_token_ids
+    completions = OpenAIServingCompletion(engine, models, stopping, executor, as_ids)
+    chat = OpenAIServingChat(engine, models, stopping, executor, as_ids)
     tokenization = OpenAIServingTokenization(engine, models, stopping, executor)
 
-    app = FastAPI(title="llmserve", version=__version__)
+    app = FastAPI(title="llmserve", version=__version__, responses=ERROR_RESPONSES)
     install_error_handlers(app)
     app.add_middleware(
         RequestBodyLimitMiddleware, max_bytes=args.max_request_body_bytes, timeout=args.request_body_timeout
     )
     if args.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+    app.add_middleware(RequestIdEchoMiddleware)  # outermost: errors of the others carry it too
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"description": "Alive (no body)."}})
     async def health() -> Response:
         if engine.errored:
             return engine_dead().response()
@@ -148,7 +171,7 @@ def build_app(
     async def version() -> VersionResponse:
         return VersionResponse(version=__version__)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def render_metrics() -> Response:
         if not engine.errored:
             with contextlib.suppress(EngineDeadError, TimeoutError):
@@ -166,20 +189,24 @@ def build_app(
     async def retrieve_model(name: str) -> ModelCard:
         return models.card(name)
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None, responses=json_or_events(CompletionResponse))
     async def create_completion(
         request: CompletionRequest, raw_request: Request
     ) -> CompletionResponse | EventStreamResponse:
+        request = with_header_id(request, raw_request.headers)
         if request.stream:
             return EventStreamResponse(
                 await completions.run_blocking(partial(completions.create_stream, request))
             )
         return await cancel_on_disconnect(raw_request, completions.create(request))
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post(
+        "/v1/chat/completions", response_model=None, responses=json_or_events(ChatCompletionResponse)
+    )
     async def create_chat_completion(
         request: ChatCompletionRequest, raw_request: Request
     ) -> ChatCompletionResponse | EventStreamResponse:
+        request = with_header_id(request, raw_request.headers)
         if request.stream:
             return EventStreamResponse(await chat.run_blocking(partial(chat.create_stream, request)))
         return await cancel_on_disconnect(raw_request, chat.create(request))
@@ -208,6 +235,8 @@ async def serve(engine_args: EngineArgs, args: ServerArgs) -> None:
         log_requests=args.enable_log_requests,
         log_stats=not args.disable_log_stats,
         stat_loggers=[metrics],
+        max_num_queued_requests=args.max_num_queued_requests,
+        max_num_queued_tokens=args.max_num_queued_tokens,
     )
     stopping = asyncio.Event()
     executor = ThreadPoolExecutor(1, thread_name_prefix="llmserve-tokenize")

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
 from llmserve.engine.exceptions import EngineDeadError
@@ -45,6 +46,23 @@ class OpenAIError(Exception):
 
     def body(self) -> dict[str, dict[str, Any]]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ErrorInfo(BaseModel):
+    """`OpenAIError.body()`'s inner object, as /openapi.json documents every 4xx and 5xx."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    error: ErrorInfo
 
 
 class ClientGone(Exception):
@@ -122,7 +140,9 @@ async def _on_validation_error(_: Request, error: Exception) -> Response:
 async def _on_http_error(_: Request, error: Exception) -> Response:
     assert isinstance(error, HTTPException)
     kind = "invalid_request_error" if error.status_code < 500 else "server_error"
-    return OpenAIError(str(error.detail), status=error.status_code, type=kind).response()
+    response = OpenAIError(str(error.detail), status=error.status_code, type=kind).response()
+    response.headers.update(error.headers or {})  # a 405's `Allow` (RFC 9110 requires it)
+    return response
 
 
 async def _on_engine_dead(_: Request, error: Exception) -> Response:

@@ -1,6 +1,8 @@
 """The engine's per-token logprobs (`SampleLogprobs`) in OpenAI's two shapes: the legacy completions one
 (parallel lists, with echo the prompt's first) and the chat one (one object per token); and the prompt's
-(`PromptLogprobs`) in vLLM's shape."""
+(`PromptLogprobs`) in vLLM's shape. With `as_ids` (vLLM's `return_tokens_as_token_ids`) a token is
+named "token_id:<id>", which identifies even a token whose text is not valid UTF-8 on its own; text
+offsets and `bytes` stay those of the token's text."""
 
 from __future__ import annotations
 
@@ -12,36 +14,39 @@ from llmserve.outputs import Logprob, PromptLogprobs, SampleLogprobs
 MIN_LOGPROB = -9999.0
 
 
-def _top(entry: dict[int, Logprob], k: int) -> list[Logprob]:
-    """The k most likely tokens at one position (all that are known when k is -1), most likely first;
-    the chosen token may be among them."""
-    ranked = [lp for lp in entry.values() if lp.rank is not None and (k < 0 or 1 <= lp.rank <= k)]
-    return sorted(ranked, key=lambda lp: lp.rank or 0)
+def _top(entry: dict[int, Logprob], k: int, as_ids: bool) -> list[tuple[str, Logprob]]:
+    """The k most likely tokens at one position (all that are known when k is -1), most likely first,
+    each with its name; the chosen token may be among them."""
+    ranked = [(t, lp) for t, lp in entry.items() if lp.rank is not None and (k < 0 or 1 <= lp.rank <= k)]
+    return [(_name(t, lp, as_ids), lp) for t, lp in sorted(ranked, key=lambda item: item[1].rank or 0)]
 
 
 def _clamp(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
+def _name(token_id: int, logprob: Logprob, as_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_ids else logprob.decoded_token or ""
+
+
 def completion_logprobs(
-    token_ids: list[int], logprobs: SampleLogprobs, k: int, text_offset: int
+    token_ids: list[int], logprobs: SampleLogprobs, k: int, text_offset: int, as_ids: bool = False
 ) -> tuple[CompletionLogprobs, int]:
     """The tokens' logprobs with `k` alternatives each; offsets count from `text_offset`, the length of
     the text before these tokens. Returns them and the offset after the last token."""
     out = CompletionLogprobs()
     for token_id, entry in zip(token_ids, logprobs):
         chosen = entry[token_id]
-        text = chosen.decoded_token or ""
-        out.tokens.append(text)
+        out.tokens.append(_name(token_id, chosen, as_ids))
         out.token_logprobs.append(_clamp(chosen.logprob))
-        out.top_logprobs.append({lp.decoded_token or "": _clamp(lp.logprob) for lp in _top(entry, k)})
+        out.top_logprobs.append({name: _clamp(lp.logprob) for name, lp in _top(entry, k, as_ids)})
         out.text_offset.append(text_offset)
-        text_offset += len(text)
+        text_offset += len(chosen.decoded_token or "")
     return out, text_offset
 
 
 def echo_logprobs(
-    token_ids: list[int], logprobs: PromptLogprobs, k: int, first_token: str
+    token_ids: list[int], logprobs: PromptLogprobs, k: int, first_token: str, as_ids: bool = False
 ) -> tuple[CompletionLogprobs, int]:
     """The prompt's tokens in the completions shape, as OpenAI's echo returns them: the first token
     (`first_token`, its text) has no logprob, so None in `token_logprobs` and `top_logprobs`.
@@ -49,8 +54,8 @@ def echo_logprobs(
     entries = [e for e in logprobs[1:] if e is not None]
     if len(entries) != len(token_ids) - 1:
         raise RuntimeError("the engine's prompt logprobs do not cover the prompt")
-    out, text_offset = completion_logprobs(token_ids[1:], entries, k, len(first_token))
-    out.tokens.insert(0, first_token)
+    out, text_offset = completion_logprobs(token_ids[1:], entries, k, len(first_token), as_ids)
+    out.tokens.insert(0, f"token_id:{token_ids[0]}" if as_ids else first_token)
     out.token_logprobs.insert(0, None)
     out.top_logprobs.insert(0, None)
     out.text_offset.insert(0, 0)
@@ -79,20 +84,27 @@ def prompt_logprobs(logprobs: PromptLogprobs) -> responses.PromptLogprobs:
     ]
 
 
-def chat_logprobs(token_ids: list[int], logprobs: SampleLogprobs, k: int) -> list[TokenLogprob]:
+def chat_logprobs(
+    token_ids: list[int], logprobs: SampleLogprobs, k: int, as_ids: bool = False
+) -> list[TokenLogprob]:
     """One object per token, with its UTF-8 bytes and `k` alternatives (OpenAI's `top_logprobs`)."""
     out: list[TokenLogprob] = []
     for token_id, entry in zip(token_ids, logprobs):
         chosen = entry[token_id]
         top = [
-            TopLogprob(token=t, logprob=_clamp(lp.logprob), bytes=list(t.encode()))
-            for lp in _top(entry, k)
-            for t in [lp.decoded_token or ""]
+            TopLogprob(token=name, logprob=_clamp(lp.logprob), bytes=_bytes(lp))
+            for name, lp in _top(entry, k, as_ids)
         ]
-        token = chosen.decoded_token or ""
         out.append(
             TokenLogprob(
-                token=token, logprob=_clamp(chosen.logprob), bytes=list(token.encode()), top_logprobs=top
+                token=_name(token_id, chosen, as_ids),
+                logprob=_clamp(chosen.logprob),
+                bytes=_bytes(chosen),
+                top_logprobs=top,
             )
         )
     return out
+
+
+def _bytes(logprob: Logprob) -> list[int]:
+    return list((logprob.decoded_token or "").encode())

@@ -14,18 +14,20 @@ from typing import Annotated, Any, ClassVar, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
 from llmserve.engine.input_processor import PromptType, TokensPrompt
+from llmserve.engine.input_processor import check_context_length as check_context_length
 from llmserve.sampling_params import INT64_MAX, RequestOutputKind, SamplingParams, is_unicode
+from llmserve.sampling_params import MAX_N as MAX_N
 
 _UNSET: tuple[object, ...] = (None,)
-
-# OpenAI's own bound on `n`.
-MAX_N = 128
 # Sequences (prompts × n) one HTTP request may queue: a generous batch for offline-style clients,
 # yet a bound on the work and per-sequence state a single request can pin in the server.
 MAX_SEQUENCES_PER_REQUEST = 1024
 
 # Token ids as JSON integers only: `true` is not token 1.
 TokenIds = list[StrictInt]
+# vLLM's `request_id` (or the X-Request-Id header) names the response; bounded, as every output
+# message of the request carries it.
+MAX_REQUEST_ID_CHARS = 1024
 
 
 class OpenAIRequest(BaseModel):
@@ -62,7 +64,15 @@ class StreamOptions(OpenAIRequest):
 
 
 class SamplingRequest(OpenAIRequest):
-    """The fields completions and chat completions share: the model, sampling and streaming."""
+    """The fields completions and chat completions share: the model, sampling and streaming, and
+    vLLM's extensions to both."""
+
+    harmless: ClassVar[dict[str, tuple[object, ...]]] = {
+        "use_beam_search": (False,),
+        "length_penalty": (1.0,),  # beam search's only
+        # true (the default) decodes as vLLM's fast detokenizer does, as ours does
+        "spaces_between_special_tokens": (True,),
+    }
 
     model: str | None = None  # None: the first served model name
     n: int = 1
@@ -87,6 +97,14 @@ class SamplingRequest(OpenAIRequest):
     bad_words: list[str] | None = None
     allowed_token_ids: TokenIds | None = None
     prompt_logprobs: int | None = None  # vLLM's extra; returned as `prompt_logprobs`, not streamed
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:<id>"
+    request_id: str | None = Field(None, max_length=MAX_REQUEST_ID_CHARS)  # vLLM's: the response id's
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's own special tokens (a BOS) on the prompt
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    spaces_between_special_tokens: bool = True
+    priority: StrictInt = 0  # vLLM's extra: lower is scheduled first (--scheduling-policy priority only)
 
     @property
     def include_usage(self) -> bool:
@@ -124,8 +142,6 @@ class SamplingRequest(OpenAIRequest):
         (completions' echo) is asked for in addition to the request's own."""
         if self.stream and self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not available when streaming.")
-        if self.n > MAX_N:
-            raise ValueError(f"n must be at most {MAX_N}, got {self.n}.")
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -148,18 +164,8 @@ class SamplingRequest(OpenAIRequest):
             allowed_token_ids=self.allowed_token_ids,
             logprobs=logprobs,
             prompt_logprobs=_wider(self.prompt_logprobs, prompt_logprobs),
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             output_kind=output_kind,
-        )
-
-
-def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
-    """vLLM's 400 (and its message) for a prompt plus `max_tokens` beyond the context: the engine would
-    otherwise stop the request short, at max_model_len, with `finish_reason: "length"`."""
-    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
-        raise ValueError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the "
-            "completion). Please reduce the length of the messages or completion."
         )
 
 
@@ -239,6 +245,7 @@ class ChatMessage(OpenAIRequest):
 class ChatCompletionRequest(SamplingRequest):
     harmless: ClassVar[dict[str, tuple[object, ...]]] = {
         **SamplingRequest.harmless,
+        "best_of": (None, 1),
         "tools": (None, []),
         "tool_choice": (None, "none", "auto"),  # "auto" with no tools chooses none
         "parallel_tool_calls": (None, True, False),
@@ -271,6 +278,14 @@ class ChatCompletionRequest(SamplingRequest):
     prediction: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
+    best_of: int | None = None
+    # vLLM's chat extensions
+    add_special_tokens: bool = False  # the chat template writes the special tokens
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is continued, left open
+    chat_template_kwargs: dict[str, Any] | None = None  # template variables
+    documents: list[dict[str, str]] | None = None  # the template's `documents` (RAG)
+    echo: bool = False  # the reply starts with the last message, when that is the assistant's
 
     @field_validator("max_tokens", "max_completion_tokens")
     @classmethod
@@ -279,6 +294,11 @@ class ChatCompletionRequest(SamplingRequest):
         if value is not None and not 1 <= value <= INT64_MAX:
             raise ValueError(f"must be an integer from 1 to 2**63 - 1, got {value}")
         return value
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """`chat_template_kwargs` with `documents`, as vLLM passes them to the template."""
+        documents = {} if self.documents is None else {"documents": self.documents}
+        return {**documents, **(self.chat_template_kwargs or {})}
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -296,13 +316,16 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(OpenAIRequest):
-    """Either a `prompt` (as completions tokenize it) or `messages` (through the chat template)."""
+    """Either a `prompt` (as completions tokenize it) or `messages` (through the chat template, as chat
+    completions do). `add_special_tokens` defaults as there: true for a prompt, false for messages."""
 
     model: str | None = None
     prompt: str | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(OpenAIRequest):

@@ -25,6 +25,11 @@ class ServerArgs:
     # (slowloris) cannot pile up.
     request_body_timeout: float = 60.0
     request_header_timeout: float = 10.0
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>" by default
+    # Requests without a first output yet, and their prompt tokens, beyond which new ones get a 503
+    # with Retry-After (None: no limit).
+    max_num_queued_requests: int | None = None
+    max_num_queued_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -40,6 +45,10 @@ class ServerArgs:
         for name in ("request_body_timeout", "request_header_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
+        for name in ("max_num_queued_requests", "max_num_queued_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}.")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +72,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-log-requests", action="store_true", help="log each request's start and end")
     parser.add_argument("--uvicorn-log-level", default=d.uvicorn_log_level, choices=LOG_LEVELS)
     parser.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprobs name tokens 'token_id:<id>' unless a request's return_tokens_as_token_ids says "
+        "otherwise (vLLM's flag)",
+    )
+    parser.add_argument(
         "--max-request-body-bytes",
         type=int,
         default=d.max_request_body_bytes,
@@ -81,6 +96,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="seconds a client has to send a request's line and headers, else the connection is closed "
         f"(default: {d.request_header_timeout:g})",
     )
+    parser.add_argument(
+        "--max-num-queued-requests",
+        type=int,
+        default=None,
+        help="requests still waiting for their first output beyond which new ones get a 503 with "
+        "Retry-After (default: no limit)",
+    )
+    parser.add_argument(
+        "--max-num-queued-tokens",
+        type=int,
+        default=None,
+        help="the same for the sum of those requests' prompt tokens (default: no limit)",
+    )
 
 
 def server_args_from(ns: argparse.Namespace) -> ServerArgs:
@@ -95,4 +123,7 @@ def server_args_from(ns: argparse.Namespace) -> ServerArgs:
         max_request_body_bytes=ns.max_request_body_bytes,
         request_body_timeout=ns.request_body_timeout,
         request_header_timeout=ns.request_header_timeout,
+        return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
+        max_num_queued_requests=ns.max_num_queued_requests,
+        max_num_queued_tokens=ns.max_num_queued_tokens,
     )

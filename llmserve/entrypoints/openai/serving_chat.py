@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from functools import partial
@@ -35,8 +34,15 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as e:
             raise bad_request(e, ChatCompletionRequest.model_fields) from e
         params = self.sampling_params(request, request.max_new_tokens, logprobs)
-        prompt = self.render_chat(request.messages)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        prompt = self.render_chat(
+            request.messages,
+            request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=request.template_kwargs(),
+            add_special_tokens=request.add_special_tokens,
+            check_chars=params.truncate_prompt_tokens is None,
+        )
+        request_id = self.response_id("chatcmpl", request)
         prepared = self.prepare(request_id, [prompt], params, request, "messages")[0]
         try:
             check_context_length(len(prepared.token_ids), params.max_tokens, self.engine.limits.max_model_len)
@@ -55,11 +61,12 @@ class OpenAIServingChat(OpenAIServing):
                 samples = output.outputs
                 if output.prompt_logprobs is not None:
                     prompt_lps = prompt_logprobs(output.prompt_logprobs)
+        echoed, as_ids = _echoed(request), self.token_ids_as_tokens(request)
         choices = [
             ChatChoice(
                 index=s.index,
-                message=AssistantMessage(content=s.text),
-                logprobs=self._logprobs(s, params),
+                message=AssistantMessage(content=echoed + s.text),
+                logprobs=self._logprobs(s, params, as_ids),
                 finish_reason=s.finish_reason,
             )
             for s in samples
@@ -92,9 +99,12 @@ class OpenAIServingChat(OpenAIServing):
             )
 
         completion_tokens = 0
+        echoed, as_ids = _echoed(request), self.token_ids_as_tokens(request)
         try:
             for index in range(params.n):  # as OpenAI: the role first, with empty content
                 yield chunk([ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""})])
+            for index in range(params.n if echoed else 0):
+                yield chunk([ChatChunkChoice(index=index, delta={"content": echoed})])
             async with aclosing(self.generate(request_id, [prompt], params)) as stream:
                 async for _, output in stream:
                     choices = []
@@ -105,7 +115,7 @@ class OpenAIServingChat(OpenAIServing):
                             ChatChunkChoice(
                                 index=s.index,
                                 delta=delta,
-                                logprobs=self._logprobs(s, params),
+                                logprobs=self._logprobs(s, params, as_ids),
                                 finish_reason=s.finish_reason,
                             )
                         )
@@ -117,7 +127,16 @@ class OpenAIServingChat(OpenAIServing):
         yield DONE
 
     @staticmethod
-    def _logprobs(sample: CompletionOutput, params: SamplingParams) -> ChoiceLogprobs | None:
+    def _logprobs(sample: CompletionOutput, params: SamplingParams, as_ids: bool) -> ChoiceLogprobs | None:
         if params.logprobs is None or sample.logprobs is None:
             return None
-        return ChoiceLogprobs(content=chat_logprobs(sample.token_ids, sample.logprobs, params.logprobs))
+        return ChoiceLogprobs(
+            content=chat_logprobs(sample.token_ids, sample.logprobs, params.logprobs, as_ids)
+        )
+
+
+def _echoed(request: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the reply starts with the last message when that is the replying role's
+    (the assistant's), such as the text `continue_final_message` continues."""
+    last = request.messages[-1]
+    return str(last.for_template()["content"]) if request.echo and last.role == "assistant" else ""

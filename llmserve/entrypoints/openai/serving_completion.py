@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -46,7 +45,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts = request.prompts()
         except ValueError as e:
             raise bad_request(e, CompletionRequest.model_fields) from e
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = self.response_id("cmpl", request)
         prepared = self.prepare(request_id, prompts, params, request, "prompt")
         max_model_len = self.engine.limits.max_model_len
         for prompt in prepared:
@@ -68,7 +67,11 @@ class OpenAIServingCompletion(OpenAIServing):
             raise RuntimeError("the engine returned no prompt logprobs")
         first = str(tokenizer.decode(prompt.token_ids[:1]))
         logprobs, text_offset = echo_logprobs(
-            prompt.token_ids, output.prompt_logprobs, request.logprobs, first
+            prompt.token_ids,
+            output.prompt_logprobs,
+            request.logprobs,
+            first,
+            self.token_ids_as_tokens(request),
         )
         return Echo(text, logprobs, text_offset)
 
@@ -81,13 +84,16 @@ class OpenAIServingCompletion(OpenAIServing):
                 finals[i] = output
         choices: list[CompletionChoice] = []
         completion_tokens = 0
+        as_ids = self.token_ids_as_tokens(request)
         for i, prompt in enumerate(prompts):
             echo = self._echo(request, prompt, finals[i])
             asked = request.prompt_logprobs is not None and finals[i].prompt_logprobs is not None
             prompt_lps = prompt_logprobs(finals[i].prompt_logprobs or []) if asked else None
             for sample in finals[i].outputs:
                 completion_tokens += len(sample.token_ids)
-                choice, _ = self._choice(i * params.n + sample.index, sample, params, 0, echo, prompt_lps)
+                choice, _ = self._choice(
+                    i * params.n + sample.index, sample, params, 0, as_ids, echo, prompt_lps
+                )
                 choices.append(choice)
         usage = UsageInfo.of(sum(len(p.token_ids) for p in prompts), completion_tokens)
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
@@ -110,6 +116,7 @@ class OpenAIServingCompletion(OpenAIServing):
         echoes: dict[int, Echo | None] = {}  # by prompt, from its request's first output
         text_offsets = [0] * (len(prompts) * params.n)
         prompt_tokens, completion_tokens = sum(len(p.token_ids) for p in prompts), 0
+        as_ids = self.token_ids_as_tokens(request)
         try:
             async with aclosing(self.generate(request_id, prompts, params)) as stream:
                 async for i, output in stream:
@@ -122,7 +129,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         unechoed.discard(index)
                         completion_tokens += len(sample.token_ids)
                         choice, text_offsets[index] = self._choice(
-                            index, sample, params, text_offsets[index], echo
+                            index, sample, params, text_offsets[index], as_ids, echo
                         )
                         choices.append(choice)
                     so_far = (
@@ -148,18 +155,19 @@ class OpenAIServingCompletion(OpenAIServing):
         sample: CompletionOutput,
         params: SamplingParams,
         text_offset: int,
+        as_ids: bool,
         echo: Echo | None = None,
         prompt_lps: PromptLogprobs | None = None,
     ) -> tuple[CompletionChoice, int]:
         """The choice for these tokens (after the echoed prompt, if any), and the text offset after
-        them (for the next delta's logprobs)."""
+        them (for the next delta's logprobs); `as_ids`: tokens named by id."""
         prefix, logprobs = "", None
         if echo is not None:
             prefix, logprobs = echo.text, echo.logprobs
             text_offset = echo.text_offset if echo.logprobs is not None else text_offset
         if params.logprobs is not None and sample.logprobs is not None:
             generated, text_offset = completion_logprobs(
-                sample.token_ids, sample.logprobs, params.logprobs, text_offset
+                sample.token_ids, sample.logprobs, params.logprobs, text_offset, as_ids
             )
             logprobs = generated if logprobs is None else concat(logprobs, generated)
         choice = CompletionChoice(

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Executor
+from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
+from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.engine.input_processor import PromptType, TokensPrompt
+from llmserve.engine.queue_limits import EngineOverloadedError
 from llmserve.entrypoints.openai.errors import OpenAIError, bad_request, engine_dead
 from llmserve.entrypoints.openai.protocol import ChatMessage, SamplingRequest
 from llmserve.entrypoints.openai.serving_models import ServedModels
@@ -23,6 +27,23 @@ from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
 T = TypeVar("T")
 
+# What a 503 for overload tells clients to wait before retrying: the queue drains at the engine's
+# pace, which the front end does not predict; a second keeps retries from hammering a full server
+# while letting them back in as soon as a slot frees.
+RETRY_AFTER_SECONDS = 1
+
+
+class ServerOverloaded(OpenAIError):
+    """A 503 with `Retry-After`: the queue is full, or the request waited past max_queue_time."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=503, type="server_error", code="server_overloaded")
+
+    def response(self) -> JSONResponse:
+        response = super().response()
+        response.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+        return response
+
 
 @dataclass
 class PreparedPrompt:
@@ -30,12 +51,14 @@ class PreparedPrompt:
 
     token_ids: list[int]
     text: str | None
+    priority: int = 0
 
 
 class OpenAIServing:
     """`stopping` is set when the server shuts down: requests still running then end with a 503.
     `executor` (owned by the caller) runs `run_blocking` work: one worker keeps the tokenizer used by
-    one thread at a time; None means asyncio's default executor."""
+    one thread at a time; None means asyncio's default executor. `return_tokens_as_token_ids` is the
+    default of the request field of that name (vLLM's `--return-tokens-as-token-ids`)."""
 
     def __init__(
         self,
@@ -43,11 +66,13 @@ class OpenAIServing:
         models: ServedModels,
         stopping: asyncio.Event,
         executor: Executor | None = None,
+        return_tokens_as_token_ids: bool = False,
     ) -> None:
         self.engine = engine
         self.models = models
         self.stopping = stopping
         self.executor = executor
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
 
     @functools.cached_property
     def max_prompt_chars(self) -> int:
@@ -57,6 +82,27 @@ class OpenAIServing:
         doubled for normalizers that merge characters (NFKC)."""
         longest = max(map(len, self.engine.tokenizer.get_vocab()))
         return 2 * longest * self.engine.limits.max_model_len
+
+    def check_prompt_chars(self, chars: int, field: str) -> None:
+        """Refuses, before tokenizing, a prompt of `chars` characters that cannot fit."""
+        if chars > self.max_prompt_chars:
+            max_len = self.engine.limits.max_model_len
+            raise OpenAIError(
+                f"The prompt is {chars} characters long, more than any {max_len} tokens "
+                f"(max_model_len) can spell: shorten it.",
+                param=field,
+            )
+
+    @staticmethod
+    def response_id(prefix: str, request: SamplingRequest) -> str:
+        """vLLM's: `{prefix}-{id}`, the id the client chose (X-Request-Id or `request_id`) or a new one."""
+        return f"{prefix}-{request.request_id or uuid.uuid4().hex}"
+
+    def token_ids_as_tokens(self, request: SamplingRequest) -> bool:
+        """Whether logprobs name tokens "token_id:<id>": the request's choice, else the server's."""
+        if request.return_tokens_as_token_ids is None:
+            return self.return_tokens_as_token_ids
+        return request.return_tokens_as_token_ids
 
     async def run_blocking(self, work: Callable[[], T]) -> T:
         """`work()` in the executor: tokenizing a megabyte prompt takes seconds, during which the event
@@ -89,12 +135,36 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(e, type(request).model_fields) from e
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> TokensPrompt:
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
+        check_chars: bool = True,
+    ) -> TokensPrompt:
+        """The messages through the chat template (vLLM's options), tokenized. With `check_chars`, a
+        rendered prompt too long to fit is refused before tokenizing, as a text prompt is."""
         conversation: list[dict[str, object]] = [m.for_template() for m in messages]
         try:
-            return self.engine.input_processor.render_chat(conversation, None, add_generation_prompt)
-        except (ValueError, TemplateError) as e:
+            text = self.engine.input_processor.render_chat_text(
+                conversation,
+                None,
+                add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+        except TemplateError as e:
             raise OpenAIError(f"The chat template failed on these messages: {e}", param="messages") from e
+        except ValueError as e:
+            raise bad_request(e, ("continue_final_message", "chat_template_kwargs"), "messages") from e
+        if check_chars:
+            self.check_prompt_chars(len(text), "messages")
+        return TokensPrompt(
+            prompt_token_ids=self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        )
 
     def prepare(
         self,
@@ -105,34 +175,55 @@ class OpenAIServing:
         prompt_field: str,
     ) -> list[PreparedPrompt]:
         """Tokenize and validate every prompt (length, vocabulary, logprobs limit); a `ValueError`
-        becomes a 400 naming the field, `prompt_field` when the prompt itself is at fault."""
+        becomes a 400 naming the field, `prompt_field` when the prompt itself is at fault. A full
+        queue is a 503 here, before the response starts (`generate` checks again, atomically)."""
+        try:
+            self.engine.config.scheduler_config.check_priority(request.priority)
+        except ValueError as e:
+            raise bad_request(e, type(request).model_fields) from e
         processor = self.engine.input_processor
+        truncating = params.truncate_prompt_tokens is not None
         for prompt in prompts:
             text = prompt if isinstance(prompt, str) else prompt.get("prompt")
-            if isinstance(text, str) and len(text) > self.max_prompt_chars:
-                max_len = self.engine.limits.max_model_len
-                raise OpenAIError(
-                    f"The prompt is {len(text)} characters long, more than any {max_len} tokens "
-                    f"(max_model_len) can spell: shorten it.",
-                    param=prompt_field,
-                )
+            if isinstance(text, str) and not truncating:
+                self.check_prompt_chars(len(text), prompt_field)
         out: list[PreparedPrompt] = []
         for i, prompt in enumerate(prompts):
             try:
-                core_request, text = processor.process_inputs(f"{request_id}-{i}", prompt, params)
+                core_request, text = processor.process_inputs(
+                    f"{request_id}-{i}", prompt, params, add_special_tokens=request.add_special_tokens
+                )
             except ValueError as e:
                 raise bad_request(e, type(request).model_fields, prompt_field) from e
-            out.append(PreparedPrompt(core_request.prompt_token_ids, text))
+            # a truncated prompt's text is longer than its tokens': echo decodes the tokens instead
+            kept = None if truncating else text
+            out.append(PreparedPrompt(core_request.prompt_token_ids, kept, request.priority))
+        try:
+            self.engine.queue.check(len(out) * params.n, sum(len(p.token_ids) for p in out) * params.n)
+        except EngineOverloadedError as e:
+            raise ServerOverloaded(str(e)) from e
         return out
 
     def generate(
         self, request_id: str, prompts: list[PreparedPrompt], params: SamplingParams
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        """One engine request per prompt, merged; items are (prompt index, output)."""
-        return merge_streams(
-            [
-                self.engine.generate(TokensPrompt(prompt_token_ids=p.token_ids), params, f"{request_id}-{i}")
-                for i, p in enumerate(prompts)
-            ],
-            self.stopping,
-        )
+        """One engine request per prompt, merged; items are (prompt index, output). A full queue or a
+        queue timeout raises `ServerOverloaded`. The engine's ids get a fresh part, as vLLM's do: a
+        client's `request_id` need not be unique."""
+        engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        streams = [
+            self.engine.generate(
+                TokensPrompt(prompt_token_ids=p.token_ids), params, f"{engine_id}-{i}", priority=p.priority
+            )
+            for i, p in enumerate(prompts)
+        ]
+        return _overload_as_503(merge_streams(streams, self.stopping))
+
+
+async def _overload_as_503(stream: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
+    async with aclosing(stream):
+        try:
+            async for item in stream:
+                yield item
+        except EngineOverloadedError as e:
+            raise ServerOverloaded(str(e)) from e

@@ -12,11 +12,17 @@ class OpenAIServingTokenization(OpenAIServing):
     def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         self.models.resolve(request.model)
         if request.messages is not None and request.prompt is None:
-            tokens = self.render_chat(request.messages, request.add_generation_prompt)["prompt_token_ids"]
+            tokens = self.render_chat(
+                request.messages,
+                request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                chat_template_kwargs=request.chat_template_kwargs,
+                add_special_tokens=bool(request.add_special_tokens),
+                check_chars=False,
+            )["prompt_token_ids"]
         elif request.prompt is not None and request.messages is None:
-            tokens = self.engine.tokenizer.encode(
-                request.prompt, add_special_tokens=request.add_special_tokens
-            )
+            add_special_tokens = request.add_special_tokens is not False
+            tokens = self.engine.tokenizer.encode(request.prompt, add_special_tokens=add_special_tokens)
         else:
             raise OpenAIError("Give exactly one of 'prompt' and 'messages'.", param="prompt")
         return TokenizeResponse(
