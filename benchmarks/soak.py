@@ -1,27 +1,32 @@
-"""Soak: resident memory under a long, mixed load. Our server takes --num-requests requests (2,000 by
-default) of mixed shapes, --concurrency at a time; the server's processes' resident memory is sampled
-after the first 100 and every --sample-every after, and the run passes when the last sample is within
---tolerance (10%) of the first. A server that leaks per request (a request's blocks, its detokenizer,
-its collector, a dropped stream's state) grows with every one of them.
+"""Soak: resident memory, the queue and the KV cache under a long, mixed load, in one of two modes.
+
+By count (the default): --num-requests requests (2,000) of mixed shapes, --concurrency at a time; the
+server's processes' resident memory is sampled after the first 100 and every --sample-every after,
+and the run passes when the last sample is within --tolerance (10%) of the first. A server that leaks
+per request (a request's blocks, its detokenizer, its collector, a dropped stream's state) grows with
+every one of them.
+
+By time (--duration SECONDS): an open-loop load at --overload (2) times the capacity a short probe
+measures first (or at --rate requests/s), so the queue builds; see benchmarks/soak_duration.py.
 
     .venv/bin/python -m benchmarks.soak                                  # the default model
     .venv/bin/python -m benchmarks.soak --model qwen2.5-coder-0.5b-instruct --num-requests 500
+    .venv/bin/python -m benchmarks.soak --duration 1200 --json benchmarks/results/soak.json
 
-The shapes, drawn from a seeded generator: completions and chat completions, streamed or not; prompts
-of 2-400 words; 1-48 output tokens; n = 2 now and then, logprobs now and then; some streams dropped
-by the client after their first chunk (the server must abort them); some requests invalid (a 400
-expected). After the load, once the server is idle, its /metrics must show no request running.
-Exits 1 when memory grew beyond the tolerance, a request met an unexpected status, or a request is
-left running.
+The shapes, drawn from a seeded generator (benchmarks/soak_mix.py): completions and chat completions,
+streamed or not; prompts of 2-400 words, and now and then one near --max-model-len; 1-48 output
+tokens; n = 2 now and then, logprobs now and then; some streams dropped by the client after their
+first chunk (the server must abort them); some requests invalid (a 400 expected). After the load,
+once the server is idle, its /metrics must show no request running or waiting and no KV block in use.
+Exits 1 when memory grew beyond the tolerance, a request met an unexpected status, or a request or
+block is left in the server.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
-import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,74 +37,11 @@ import psutil
 from benchmarks.machine import warn_if_busy
 from benchmarks.results import add_json_arg, write_results
 from benchmarks.servers import free_port, llmserve_command, running
-from benchmarks.serving import WORDS
+from benchmarks.soak_duration import add_duration_args, run_for_duration
+from benchmarks.soak_mix import Shape, draw_shape, long_prompt_ids, parse_gauges, process_rss, send
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 WARMUP_REQUESTS = 100
-
-
-@dataclass(frozen=True)
-class Shape:
-    """One request of the mix: the endpoint, its body and what the client does with the answer."""
-
-    path: str
-    body: dict[str, object]
-    expect_status: int
-    drop_after_first_chunk: bool
-
-
-def draw_shape(rng: random.Random, model: str) -> Shape:
-    words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 400)))
-    stream = rng.random() < 0.6
-    body: dict[str, object] = {
-        "model": model,
-        "max_tokens": rng.randint(1, 48),
-        "temperature": rng.choice([0.0, 0.8]),
-        "stream": stream,
-    }
-    if rng.random() < 0.5:
-        path, body["prompt"] = "/completions", words
-        if rng.random() < 0.2:
-            body["logprobs"] = 3
-    else:
-        path, body["messages"] = "/chat/completions", [{"role": "user", "content": words}]
-        if rng.random() < 0.2:
-            body["logprobs"], body["top_logprobs"] = True, 3
-    if rng.random() < 0.1:
-        body["n"] = 2
-    expect = 200
-    if rng.random() < 0.05:
-        body["max_tokens"], expect = -1, 400
-    drop = stream and expect == 200 and rng.random() < 0.1
-    return Shape(path, body, expect, drop)
-
-
-async def send(http: httpx.AsyncClient, base_url: str, shape: Shape) -> str | None:
-    """Sends one request; returns what went wrong, or None."""
-    try:
-        async with http.stream("POST", base_url + shape.path, json=shape.body) as response:
-            if response.status_code != shape.expect_status:
-                body = (await response.aread())[:200]
-                return f"HTTP {response.status_code} (expected {shape.expect_status}): {body!r}"
-            if not shape.body["stream"] or response.status_code != 200:
-                await response.aread()
-                return None
-            async for line in response.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    if "error" in json.loads(line.removeprefix("data: ")):
-                        return f"error in stream: {line[:200]}"
-                    if shape.drop_after_first_chunk:
-                        return None  # leaving the block closes the connection mid-stream
-    except httpx.HTTPError as e:
-        return repr(e)
-    return None
-
-
-def tree_rss(pid: int) -> dict[str, int]:
-    """Resident bytes of the server and each of its child processes (the engine core among them)."""
-    root = psutil.Process(pid)
-    procs = [root, *root.children(recursive=True)]
-    return {f"{p.pid} {' '.join(p.cmdline()[1:4])[:60]}": p.memory_info().rss for p in procs}
 
 
 @dataclass
@@ -111,7 +53,8 @@ class Sample:
 
 async def soak(args: argparse.Namespace, base_url: str, server_pid: int) -> tuple[list[Sample], list[str]]:
     rng = random.Random(args.seed)
-    shapes = [draw_shape(rng, args.model) for _ in range(args.num_requests)]
+    long_prompt = long_prompt_ids(base_url)
+    shapes = [draw_shape(rng, args.model, long_prompt) for _ in range(args.num_requests)]
     samples: list[Sample] = []
     errors: list[str] = []
     completed = 0
@@ -131,7 +74,7 @@ async def soak(args: argparse.Namespace, base_url: str, server_pid: int) -> tupl
                 or (completed > WARMUP_REQUESTS and (completed - WARMUP_REQUESTS) % args.sample_every == 0)
                 or completed == len(shapes)
             ):
-                by_process = tree_rss(server_pid)
+                by_process = process_rss(server_pid)
                 samples.append(Sample(completed, sum(by_process.values()), by_process))
                 print(f"{completed:5d} requests: {samples[-1].rss / 2**20:7.1f} MiB", flush=True)
 
@@ -140,17 +83,12 @@ async def soak(args: argparse.Namespace, base_url: str, server_pid: int) -> tupl
 
 
 def idle_metrics(base_url: str, wait_s: float = 10.0) -> dict[str, float]:
-    """The server's running/waiting gauges once they read zero, or as they stand after wait_s."""
+    """The server's running, waiting and KV-usage gauges once they read zero, or as they stand after
+    wait_s."""
     root = base_url.removesuffix("/v1")
     deadline = time.monotonic() + wait_s
     while True:
-        text = httpx.get(f"{root}/metrics", timeout=10).text
-        gauges = {
-            name: float(value)
-            for name, value in re.findall(
-                r"^llmserve:(num_requests_running|num_requests_waiting)\{[^}]*\} (\S+)$", text, re.M
-            )
-        }
+        gauges = parse_gauges(httpx.get(f"{root}/metrics", timeout=10).text)
         if not any(gauges.values()) or time.monotonic() > deadline:
             return gauges
         time.sleep(0.5)
@@ -165,39 +103,38 @@ def memory_growth(samples: list[Sample]) -> float:
 
 def failures(growth: float, tolerance: float, errors: list[str], gauges: dict[str, float]) -> list[str]:
     """Why the run fails, or nothing when it passes: memory grew more than `tolerance`, a request met
-    an unexpected answer, or requests are still running or waiting once the server is idle."""
+    an unexpected answer, or requests are still running or waiting (or KV blocks in use) once the
+    server is idle."""
     reasons = []
     if growth > tolerance:
         reasons.append(f"resident memory grew {growth:+.1%}, more than {tolerance:.0%}")
     if errors:
         reasons.append(f"unexpected answers: {len(errors)}")
     if any(gauges.values()):
-        reasons.append(f"requests left in the server: {gauges}")
+        reasons.append(f"requests or KV blocks left in the server: {gauges}")
     return reasons
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=1024, help="the server's; long prompts near it")
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="the server's, in bytes")
     parser.add_argument("--num-requests", type=int, default=2000)
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=16, help="by count; and the capacity probe's")
     parser.add_argument("--sample-every", type=int, default=100)
-    parser.add_argument("--tolerance", type=float, default=0.10, help="allowed growth after the first 100")
+    parser.add_argument("--tolerance", type=float, default=0.10, help="allowed growth after the warm-up")
     parser.add_argument("--seed", type=int, default=0)
+    add_duration_args(parser)
     add_json_arg(parser)
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
-def main() -> None:
-    args = parse_args()
-    if args.num_requests <= WARMUP_REQUESTS:
-        sys.exit(f"--num-requests must exceed the {WARMUP_REQUESTS} warm-up requests")
-    foreign_load = warn_if_busy()
-    port = free_port()
-    command = llmserve_command(args.model, port, args.dtype)
+def run_for_count(args: argparse.Namespace, command: list[str], port: int, foreign_load: float) -> list[str]:
+    """The count mode: prints and writes its figures, returns why it failed (nothing if it passed)."""
     start = time.perf_counter()
     with running("llmserve", command, port) as url:
         pid = next(p.pid for p in psutil.Process().children() if str(port) in p.cmdline())
@@ -215,6 +152,7 @@ def main() -> None:
         args.json,
         "benchmarks.soak",
         {
+            "mode": "count",
             "model": args.model,
             "num_requests": args.num_requests,
             "concurrency": args.concurrency,
@@ -226,7 +164,22 @@ def main() -> None:
         },
         foreign_load,
     )
-    reasons = failures(growth, args.tolerance, errors, gauges)
+    return failures(growth, args.tolerance, errors, gauges)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.duration is None and args.num_requests <= WARMUP_REQUESTS:
+        sys.exit(f"--num-requests must exceed the {WARMUP_REQUESTS} warm-up requests")
+    foreign_load = warn_if_busy()
+    port = free_port()
+    command = [*llmserve_command(args.model, port, args.dtype), "--max-model-len", str(args.max_model_len)]
+    if args.kv_cache_memory is not None:
+        command += ["--kv-cache-memory", str(args.kv_cache_memory)]
+    if args.duration is not None:
+        reasons = run_for_duration(args, command, port, foreign_load)
+    else:
+        reasons = run_for_count(args, command, port, foreign_load)
     if reasons:
         sys.exit("soak failed: " + "; ".join(reasons))
 
