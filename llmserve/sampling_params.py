@@ -25,6 +25,42 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
+    """vLLM's constraint on what a request may generate: exactly one of `json` (a JSON schema, as a dict
+    or its text), `regex`, `choice` (one of these strings), `grammar` (Lark or EBNF) or `json_object`
+    (any JSON object). JSON is compact unless `whitespace_pattern` says otherwise: a small model given
+    free whitespace can emit newlines until `max_tokens`."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_additional_properties: bool = False  # a schema's objects take no property it does not name
+    whitespace_pattern: str | None = None  # a regex for the whitespace JSON may hold; None: compact
+
+    def __post_init__(self) -> None:
+        kinds = self._set_kinds()
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar or json_object, "
+                f"got {kinds or 'none'}."
+            )
+
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured_outputs.choice must list at least one string.")
+
+    def _set_kinds(self) -> list[str]:
+        """Set means not None, as vLLM has it (`json={}` is the schema of any JSON value), except
+        `json_object`, a flag."""
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        return kinds + ["json_object"] if self.json_object else kinds
+
+    @property
+    def kind(self) -> str:
+        return self._set_kinds()[0]
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     """Sampling settings. Invalid values raise `ValueError` naming the field.
 
@@ -56,6 +92,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     logprobs: int | None = None  # top-k logprobs per generated token (-1: the whole vocabulary)
     prompt_logprobs: int | None = None  # top-k logprobs per prompt position (-1: the whole vocabulary)
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: max_model_len)
+    structured_outputs: StructuredOutputsParams | None = None  # what the output must match
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:

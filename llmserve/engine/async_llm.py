@@ -24,6 +24,7 @@ from llmserve.metrics.loggers import LoggingStatLogger
 from llmserve.metrics.stats import IterationStats
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
+from llmserve.structured_output.grammars import StructuredOutputError
 
 logger = logging.getLogger("llmserve")
 
@@ -140,7 +141,8 @@ class AsyncLLM:
         priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream this request's outputs. Closing or cancelling the stream aborts the request. A
-        request that waited in the core past `max_queue_time` raises `QueueTimeoutError`."""
+        request that waited in the core past `max_queue_time` raises `QueueTimeoutError`; one whose
+        grammar failed in the core, `StructuredOutputError`."""
         collector: RequestOutputCollector | None = None
         try:
             collector = await self.add_request(request_id, prompt, sampling_params, arrival_time, priority)
@@ -178,8 +180,7 @@ class AsyncLLM:
                     self.queue.release(o.request_id for o in items)
                 for start in range(0, max(len(items), 1), OUTPUT_CHUNK_SIZE):
                     chunk = items[start : start + OUTPUT_CHUNK_SIZE]
-                    if self.config.scheduler_config.max_queue_time is not None:
-                        await self._fail_timed_out(chunk)
+                    await self._fail_requests(chunk)
                     processed = self.output_processor.process_outputs(chunk)
                     if processed.reqs_to_abort:
                         await self.engine_core.abort_requests_async(processed.reqs_to_abort)
@@ -205,24 +206,27 @@ class AsyncLLM:
             self.output_processor.propagate_error(error)
             self.queue.clear()
 
-    async def _fail_timed_out(self, outputs: list[EngineCoreOutput]) -> None:
-        """Requests the core ended unrun (max_queue_time) raise `QueueTimeoutError` in their streams
-        instead of finishing; a parent's other samples are aborted with them."""
+    async def _fail_requests(self, outputs: list[EngineCoreOutput]) -> None:
+        """Requests the core ended without a result raise in their streams instead of finishing:
+        `QueueTimeoutError` (max_queue_time), `StructuredOutputError` (their grammar failed). A parent's
+        other samples are aborted with them."""
         for output in outputs:
-            if output.finish_reason != FinishReason.QUEUE_TIMEOUT:
+            if output.finish_reason == FinishReason.QUEUE_TIMEOUT:
+                wait = self.config.scheduler_config.max_queue_time or 0.0
+                error: Exception = QueueTimeoutError(
+                    f"The request waited over {wait:g} s (max_queue_time) to be scheduled and was "
+                    "dropped: the server is overloaded. Retry later."
+                )
+            elif output.finish_reason == FinishReason.ERROR:
+                error = StructuredOutputError(output.error or "The request failed in the engine core.")
+            else:
                 continue
             state = self.output_processor.request_states.get(output.request_id)
             if state is None:  # aborted meanwhile, or a sibling already failed it
                 continue
             await self.abort(state.external_id)
             if state.sink is not None:
-                wait = self.config.scheduler_config.max_queue_time
-                state.sink.put(
-                    QueueTimeoutError(
-                        f"The request waited over {wait:g} s (max_queue_time) to be scheduled and was "
-                        "dropped: the server is overloaded. Retry later."
-                    )
-                )
+                state.sink.put(error)
 
     def shutdown(self) -> None:
         if self._output_handler is not None:

@@ -13,8 +13,13 @@ from llmserve.model_executor.model_runner import ModelRunner
 from llmserve.scheduling.kv_cache_manager import KVCacheManager
 from llmserve.scheduling.request import Request, RequestStatus
 from llmserve.scheduling.scheduler import Scheduler
+from llmserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+# How long a step with nothing to run waits for a compiling grammar: bounds the delay it adds to new
+# inputs (the busy loop reads them between steps) while sparing a spin.
+_GRAMMAR_WAIT_S = 0.01
 
 
 class EngineCore:
@@ -48,9 +53,15 @@ class EngineCore:
             num_blocks, block_size, config.cache_config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.limits.max_model_len)
+        self.structured_output_manager = StructuredOutputManager(
+            source, self.limits.vocab_size, config.scheduler_config.max_num_seqs
+        )
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request.from_engine_core_request(request, self.limits.max_model_len))
+        core_request = Request.from_engine_core_request(request, self.limits.max_model_len)
+        if core_request.structured_output is not None:
+            self.structured_output_manager.grammar_init(core_request)
+        self.scheduler.add_request(core_request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -60,7 +71,10 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        if not scheduler_output.scheduled:  # perhaps every request waits for its grammar
+            self.structured_output_manager.wait_for_grammars(_GRAMMAR_WAIT_S)
+        grammar_bitmask = self.structured_output_manager.grammar_bitmask(scheduler_output.scheduled)
+        runner_output = self.model_runner.execute_model(scheduler_output, grammar_bitmask)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         return EngineCoreOutputs(outputs, self.scheduler.make_stats(), time.monotonic())
 

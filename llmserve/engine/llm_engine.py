@@ -7,10 +7,11 @@ from transformers import PreTrainedTokenizerBase
 from llmserve.config import EngineArgs, EngineConfig
 from llmserve.engine.front_end import FrontEnd
 from llmserve.engine.input_processor import PromptType
-from llmserve.engine.messages import EngineCoreRequest
+from llmserve.engine.messages import EngineCoreRequest, FinishReason
 from llmserve.engine.parallel_sampling import ParentRequest, fan_out
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
+from llmserve.structured_output.grammars import StructuredOutputError
 
 
 class LLMEngine:
@@ -57,9 +58,14 @@ class LLMEngine:
         return self.output_processor.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
+        """Raises `StructuredOutputError` (its request aborted) when a request's grammar failed."""
         if not self.has_unfinished_requests():
             return []  # a core in another process would have no outputs to send: do not wait for one
         outputs = self.engine_core.get_output()
+        failed = next((o for o in outputs.outputs if o.finish_reason == FinishReason.ERROR), None)
+        if failed is not None and failed.request_id in self.output_processor.request_states:
+            self.abort_request([self.output_processor.request_states[failed.request_id].external_id])
+            raise StructuredOutputError(failed.error or "The request failed in the engine core.")
         processed = self.output_processor.process_outputs(outputs.outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)

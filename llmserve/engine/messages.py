@@ -18,6 +18,7 @@ class FinishReason(enum.IntEnum):
     LENGTH = 1  # max_tokens or max_model_len reached
     ABORT = 2  # aborted by the caller
     QUEUE_TIMEOUT = 3  # waited longer than max_queue_time to be scheduled; nothing was generated
+    ERROR = 4  # the request failed in the core (its grammar did not compile or rejected a token)
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -57,6 +58,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     `new_logprobs` has one entry per new token when the request asked for logprobs.
     `new_prompt_logprobs` comes once, with the first output of a request that asked for prompt
     logprobs: one entry per prompt token after the first, the prompt token in place of the sampled one.
+    `error` says why, with `FinishReason.ERROR`.
     """
 
     request_id: str
@@ -65,6 +67,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | None = None
     new_logprobs: list[TokenLogprobs] | None = None
     new_prompt_logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

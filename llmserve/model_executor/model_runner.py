@@ -21,6 +21,7 @@ from llmserve.model_executor.models.llama import KVCache, LlamaForCausalLM
 from llmserve.model_executor.models.llama_config import LlamaConfig
 from llmserve.model_executor.sampler import SamplingMetadata, gather_logprobs, sample
 from llmserve.scheduling.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from llmserve.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,10 @@ class ModelRunner:
             populate_in_background([t for pair in self.kv_caches for t in pair])
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
+    ) -> ModelRunnerOutput:
+        """`grammar_bitmask`: the tokens this step's structured requests may sample."""
         for request_id in scheduler_output.finished_request_ids:
             self._generators.pop(request_id, None)
         if not scheduler_output.scheduled:
@@ -96,18 +100,25 @@ class ModelRunner:
             output.prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if sample_rows:
             last_hidden = hidden[torch.tensor(last_tokens, device=self.device)]
-            self._sample([batch[i] for i in sample_rows], last_hidden, output)
+            self._sample([batch[i] for i in sample_rows], last_hidden, output, grammar_bitmask)
         return output
 
     def _sample(
-        self, sampling: list[ScheduledRequest], hidden: torch.Tensor, output: ModelRunnerOutput
+        self,
+        sampling: list[ScheduledRequest],
+        hidden: torch.Tensor,
+        output: ModelRunnerOutput,
+        grammar_bitmask: GrammarBitmask | None,
     ) -> None:
-        """Sample one token per row from the processed logits; logprobs come from the raw ones."""
+        """Sample one token per row from the processed logits; logprobs come from the raw ones, after
+        the grammar bitmask (as vLLM's: a token the grammar forbids has logprob -inf)."""
         logits = self.model.compute_logits(hidden)  # [rows, vocab] fp32
+        ids = [s.request.request_id for s in sampling]
+        if grammar_bitmask is not None:
+            apply_grammar_bitmask(logits, ids, grammar_bitmask)
         processing = build_logits_metadata([s.request for s in sampling], logits.shape[-1], self.device)
         processed = logits if processing is None else apply_logits_processors(logits, processing)
         sampled = sample(processed, self._sampling_metadata(sampling))
-        ids = [s.request.request_id for s in sampling]
         output.sampled_token_ids = dict(zip(ids, sampled.tolist()))
         wanted = [
             (row, k)

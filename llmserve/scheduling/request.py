@@ -6,16 +6,19 @@ import enum
 
 from llmserve.engine.messages import EngineCoreRequest, FinishReason, TokenLogprobs
 from llmserve.sampling_params import SamplingParams
+from llmserve.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2  # back in the waiting queue, KV freed; recomputes prompt + output so far
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
-    FINISHED_QUEUE_TIMEOUT = 6  # never scheduled within max_queue_time
+    WAITING_FOR_FSM = 1  # waiting, and its grammar is still compiling: the scheduler passes it by
+    RUNNING = 2
+    PREEMPTED = 3  # back in the waiting queue, KV freed; recomputes prompt + output so far
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_QUEUE_TIMEOUT = 7  # never scheduled within max_queue_time
+    FINISHED_ERROR = 8  # its grammar failed to compile or rejected a token
 
     @property
     def finished(self) -> bool:
@@ -31,6 +34,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_QUEUE_TIMEOUT: FinishReason.QUEUE_TIMEOUT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -40,6 +44,9 @@ class Request:
     With prompt logprobs, `num_prompt_logprobs` counts the prompt positions already scored (hidden
     state i scores prompt token i + 1), so a recompute after preemption does not score them again;
     `prompt_logprobs` holds those not yet sent, until the first output carries them.
+
+    With structured outputs, `structured_output.grammar` has accepted exactly the output tokens: a
+    preempted request keeps them (it recomputes their KV), so its matcher stays as it is.
     """
 
     def __init__(
@@ -62,7 +69,14 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.status = RequestStatus.WAITING
+        self.structured_output = (
+            None
+            if sampling_params.structured_outputs is None
+            else StructuredOutputRequest(sampling_params.structured_outputs)
+        )
+        self.status = (
+            RequestStatus.WAITING if self.structured_output is None else RequestStatus.WAITING_FOR_FSM
+        )
         self.stop_reason: int | None = None
         self.num_preemptions = 0
         room = max_model_len - self.num_prompt_tokens
@@ -123,6 +137,10 @@ class Request:
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = last
                 return True
+        grammar = self.structured_output.grammar if self.structured_output is not None else None
+        if grammar is not None and grammar.is_terminated():  # complete: nothing but EOS could follow
+            self.status = RequestStatus.FINISHED_STOPPED
+            return True
         if self.num_output_tokens >= self.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True

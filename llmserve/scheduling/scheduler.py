@@ -63,7 +63,9 @@ class Scheduler:
     Under fcfs, `running` is in admission order (the newest is preempted); under the priority policy it
     is kept in `_rank` order, so the victim is the request of the largest (priority, arrival), as in
     vLLM v1. With `max_queue_time`, a request never scheduled within that many seconds of reaching
-    the scheduler ends with `FinishReason.QUEUE_TIMEOUT`. `clock` is for tests.
+    the scheduler ends with `FinishReason.QUEUE_TIMEOUT`. A request whose grammar is still compiling
+    (`WAITING_FOR_FSM`) keeps its place in the queue while later ones are admitted past it; one whose
+    grammar failed ends with `FinishReason.ERROR`. `clock` is for tests.
     """
 
     def __init__(
@@ -84,7 +86,7 @@ class Scheduler:
         # (deadline, request) in arrival order, so deadlines ascend; entries outlive their requests'
         # admission and are dropped when their deadline passes
         self._queue_deadlines: deque[tuple[float, Request]] = deque()
-        self._expired: list[EngineCoreOutput] = []  # sent with the next update_from_output
+        self._finished_unrun: list[EngineCoreOutput] = []  # ended in schedule(); sent with the next update
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
 
@@ -124,10 +126,15 @@ class Scheduler:
             break
 
         # Admitting new work right after a preemption would only thrash the pool.
+        compiling: list[Request] = []  # passed by: their grammars are not ready
         while not preempted and self.waiting and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()  # new or preempted: nothing computed
+            if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
+                if not request.status.finished:
+                    compiling.append(self.waiting.pop())
+                continue
             computed = self.kv_cache_manager.get_computed_blocks(request)
             num_cached = len(computed) * self.kv_cache_manager.block_size
             num_new = min(request.num_tokens - num_cached, budget)
@@ -142,6 +149,8 @@ class Scheduler:
                 self.running.append(request)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+        for request in reversed(compiling):
+            self.waiting.prepend(request)
 
         out = SchedulerOutput(scheduled, self._finished_ids)
         self._finished_ids = []
@@ -153,7 +162,7 @@ class Scheduler:
         expired: list[Request] = []
         while self._queue_deadlines and self._queue_deadlines[0][0] <= now:
             _, request = self._queue_deadlines.popleft()
-            if request.status == RequestStatus.WAITING:
+            if request.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FSM):
                 expired.append(request)
         if not expired:
             return
@@ -161,7 +170,20 @@ class Scheduler:
         for request in expired:
             request.status = RequestStatus.FINISHED_QUEUE_TIMEOUT
             self._free_finished(request)
-            self._expired.append(EngineCoreOutput(request.request_id, [], FinishReason.QUEUE_TIMEOUT))
+            self._finished_unrun.append(EngineCoreOutput(request.request_id, [], FinishReason.QUEUE_TIMEOUT))
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether the request's grammar compiled; one that failed to finishes the request (ERROR)."""
+        assert request.structured_output is not None
+        try:
+            ready = request.structured_output.is_ready()
+        except ValueError as e:
+            self.waiting.pop()
+            self._finished_unrun.append(self._fail(request, f"structured_outputs failed to compile: {e}"))
+            return False
+        if ready:
+            request.status = RequestStatus.WAITING
+        return ready
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(
@@ -183,8 +205,8 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Advance every scheduled request; append sampled tokens; finish those that stop. The
-        outputs start with those of the requests `schedule()` found expired."""
-        outputs, self._expired = self._expired, []
+        outputs start with those of the requests `schedule()` ended unrun (expired, grammar failed)."""
+        outputs, self._finished_unrun = self._finished_unrun, []
         for sched in scheduler_output.scheduled:
             request = sched.request
             if request.status.finished:  # aborted while the step ran
@@ -198,6 +220,12 @@ class Scheduler:
             if token is None:
                 continue
             request.append_output_token(token)
+            grammar = request.structured_output.grammar if request.structured_output else None
+            if grammar is not None and not grammar.accept_tokens([token]):
+                outputs.append(
+                    self._fail(request, f"structured_outputs rejected token {token}: {grammar.error}")
+                )
+                continue
             if request.check_stop():
                 self._free_finished(request)
             logprobs = runner_output.logprobs.get(request.request_id)
@@ -223,6 +251,11 @@ class Scheduler:
             request.status = status
             self._free_finished(request)
         return [r.request_id for r in found]
+
+    def _fail(self, request: Request, message: str) -> EngineCoreOutput:
+        request.status = RequestStatus.FINISHED_ERROR
+        self._free_finished(request)
+        return EngineCoreOutput(request.request_id, [], FinishReason.ERROR, error=message)
 
     def _free_finished(self, request: Request) -> None:
         if request in self.running:

@@ -1,0 +1,88 @@
+"""The engine core's structured outputs: compiles grammars in a thread pool and fills each step's bitmask.
+
+The core has no tokenizer until the first structured request: the backend (the tokenizer, llguidance's
+view of it) is built then, in the pool, so neither start-up nor the other requests wait for it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+
+import torch
+
+from llmserve.model_executor.loader import ModelSource
+from llmserve.model_executor.loader.tokenizer import eos_token_ids, load_tokenizer
+from llmserve.sampling_params import StructuredOutputsParams
+from llmserve.scheduling.request import Request
+from llmserve.scheduling.scheduler import ScheduledRequest
+from llmserve.structured_output.backend import Grammar, StructuredOutputBackend
+from llmserve.structured_output.bitmask import GrammarBitmask
+from llmserve.structured_output.grammars import to_grammar
+
+
+class StructuredOutputManager:
+    """`max_num_seqs` bounds the rows of one step's bitmask."""
+
+    def __init__(self, source: ModelSource, vocab_size: int, max_num_seqs: int) -> None:
+        self.source = source
+        self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
+        self.backend: StructuredOutputBackend | None = None
+        self._backend_lock = threading.Lock()
+        self._bitmask: torch.Tensor | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, (os.cpu_count() or 2) // 2), thread_name_prefix="GrammarCompile"
+        )
+        self._compiling: set[concurrent.futures.Future[Grammar]] = set()
+
+    def grammar_init(self, request: Request) -> None:
+        """Start compiling the request's grammar; the scheduler admits it once `is_ready()`."""
+        assert request.structured_output is not None
+        future = self._pool.submit(self._compile, request.structured_output.params)
+        request.structured_output.future = future
+        self._compiling.add(future)
+        future.add_done_callback(self._compiling.discard)
+
+    def _compile(self, params: StructuredOutputsParams) -> Grammar:
+        return self._get_backend().compile(to_grammar(params))
+
+    def _get_backend(self) -> StructuredOutputBackend:
+        with self._backend_lock:
+            if self.backend is None:
+                # llguidance.hf imports transformers (about a second): only once a request needs it
+                from llmserve.structured_output.llguidance_backend import LLGuidanceBackend
+
+                tokenizer = load_tokenizer(self.source)
+                self.backend = LLGuidanceBackend(
+                    tokenizer, self.vocab_size, eos_token_ids(self.source, tokenizer)
+                )
+            return self.backend
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Block until a grammar being compiled is done (or `timeout` s): for a step that had nothing
+        to run but requests waiting for their grammars, instead of spinning."""
+        if self._compiling:
+            concurrent.futures.wait(
+                list(self._compiling), timeout, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+
+    def grammar_bitmask(self, scheduled: list[ScheduledRequest]) -> GrammarBitmask | None:
+        """The bitmask for this step's sampling requests that have a grammar; None when there are none
+        (before the first structured request this costs one attribute check)."""
+        if self.backend is None:
+            return None
+        ids: list[str] = []
+        grammars: list[Grammar] = []
+        for sched in scheduled:
+            structured = sched.request.structured_output
+            if sched.samples and structured is not None and structured.grammar is not None:
+                ids.append(sched.request.request_id)
+                grammars.append(structured.grammar)
+        if not grammars:
+            return None
+        if self._bitmask is None:
+            self._bitmask = self.backend.allocate_bitmask(self.max_num_seqs)
+        self.backend.fill_bitmask(grammars, self._bitmask)
+        return GrammarBitmask(ids, self._bitmask[: len(grammars)])
