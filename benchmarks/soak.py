@@ -38,7 +38,7 @@ from benchmarks.machine import warn_if_busy
 from benchmarks.results import add_json_arg, write_results
 from benchmarks.servers import free_port, llmserve_command, running
 from benchmarks.soak_duration import add_duration_args, run_for_duration
-from benchmarks.soak_mix import Shape, draw_shape, long_prompt_ids, parse_gauges, process_rss, send
+from benchmarks.soak_mix import SHED, Shape, draw_shape, long_prompt_ids, parse_gauges, process_rss, send
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 WARMUP_REQUESTS = 100
@@ -66,7 +66,7 @@ async def soak(args: argparse.Namespace, base_url: str, server_pid: int) -> tupl
             nonlocal completed
             async with limit:
                 error = await send(http, base_url, shape)
-            if error:
+            if error and error != SHED:
                 errors.append(error)
             completed += 1
             if (
@@ -128,6 +128,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sample-every", type=int, default=100)
     parser.add_argument("--tolerance", type=float, default=0.10, help="allowed growth after the warm-up")
     parser.add_argument("--seed", type=int, default=0)
+    overload = parser.add_argument_group(
+        "the server's overload control (a 503 it sends is counted as shed load, not as an error)"
+    )
+    overload.add_argument("--max-num-seqs", type=int, default=None)
+    overload.add_argument("--max-num-queued-requests", type=int, default=None)
+    overload.add_argument("--max-queue-time", type=float, default=None, help="seconds")
     add_duration_args(parser)
     add_json_arg(parser)
     return parser.parse_args(argv)
@@ -174,8 +180,9 @@ def main() -> None:
     foreign_load = warn_if_busy()
     port = free_port()
     command = [*llmserve_command(args.model, port, args.dtype), "--max-model-len", str(args.max_model_len)]
-    if args.kv_cache_memory is not None:
-        command += ["--kv-cache-memory", str(args.kv_cache_memory)]
+    for flag in ("kv_cache_memory", "max_num_seqs", "max_num_queued_requests", "max_queue_time"):
+        if getattr(args, flag) is not None:
+            command += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if args.duration is not None:
         reasons = run_for_duration(args, command, port, foreign_load)
     else:

@@ -30,7 +30,7 @@ import psutil
 
 from benchmarks.results import write_results
 from benchmarks.servers import running
-from benchmarks.soak_mix import Shape, draw_shape, long_prompt_ids, parse_gauges, process_rss, send
+from benchmarks.soak_mix import SHED, Shape, draw_shape, long_prompt_ids, parse_gauges, process_rss, send
 
 MIB = 2**20
 
@@ -68,6 +68,7 @@ class Tick:
 class Tally:
     answered: int = 0  # as expected: a 200 (dropped streams too) or the invalid requests' 400
     timed_out: int = 0
+    shed: int = 0  # a 503 with Retry-After, or a stream's queue timeout: the server's overload control
     errors: list[str] = field(default_factory=list)
 
 
@@ -88,7 +89,9 @@ class OpenLoop:
         except TimeoutError:
             self.tally.timed_out += 1  # leaving wait_for closed the connection: the server aborts it
             return
-        if error:
+        if error == SHED:
+            self.tally.shed += 1
+        elif error:
             self.tally.errors.append(error)
         else:
             self.tally.answered += 1
@@ -246,10 +249,12 @@ def run_for_duration(
     print_table({f"after warm-up ({baseline.t:.0f} s)": baseline, "peak": peak, "after drain": final})
     for error in sorted(set(tally.errors))[:10]:
         print(f"request failed: {error}")
-    arrived = tally.answered + tally.timed_out + len(tally.errors)
-    print(f"{arrived} requests in {run['load_s']:.0f} s at {run['rate']:.2f}/s ({args.overload}x capacity "
-          f"{run['capacity']:.2f}/s): {tally.answered} answered, {tally.timed_out} timed out, "
-          f"{len(tally.errors)} unexpected; {run['goodput']:.2f}/s answered under load")  # fmt: skip
+    arrived = tally.answered + tally.timed_out + tally.shed + len(tally.errors)
+    times = run["rate"] / run["capacity"]
+    print(f"{arrived} requests in {run['load_s']:.0f} s at {run['rate']:.2f}/s ({times:.1f}x capacity "
+          f"{run['capacity']:.2f}/s): {tally.answered} answered, {tally.shed} shed (503), "
+          f"{tally.timed_out} timed out, {len(tally.errors)} unexpected; "
+          f"{run['goodput']:.2f}/s answered under load")  # fmt: skip
     figures = {"after_warmup": baseline, "peak": peak, "after_drain": final}
     write_results(
         args.json,
@@ -267,6 +272,7 @@ def run_for_duration(
             "requests": {
                 "answered": tally.answered,
                 "timed_out": tally.timed_out,
+                "shed": tally.shed,
                 "unexpected": len(tally.errors),
             },
             "rss_growth": {name: final.rss.get(name, 0) / rss - 1 for name, rss in baseline.rss.items()},

@@ -83,10 +83,18 @@ def long_prompt_ids(base_url: str) -> list[int]:
     return list(ids)
 
 
+# What `send` returns for a 503 with Retry-After: the server shed the request (its queue limits).
+SHED = "shed"
+
+
 async def send(http: httpx.AsyncClient, base_url: str, shape: Shape) -> str | None:
-    """Sends one request; returns what went wrong, or None."""
+    """Sends one request; returns what went wrong, `SHED` for an overloaded server's 503 (with
+    Retry-After, before any work), or None."""
     try:
         async with http.stream("POST", base_url + shape.path, json=shape.body) as response:
+            if response.status_code == 503 and "retry-after" in response.headers:
+                await response.aread()
+                return SHED
             if response.status_code != shape.expect_status:
                 body = (await response.aread())[:200]
                 return f"HTTP {response.status_code} (expected {shape.expect_status}): {body!r}"
@@ -95,8 +103,12 @@ async def send(http: httpx.AsyncClient, base_url: str, shape: Shape) -> str | No
                 return None
             async for line in response.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    if "error" in json.loads(line.removeprefix("data: ")):
-                        return f"error in stream: {line[:200]}"
+                    event = json.loads(line.removeprefix("data: "))
+                    if "error" in event:
+                        # a stream's queue timeout is the server shedding it too
+                        return SHED if event["error"].get("code") == "server_overloaded" else (
+                            f"error in stream: {line[:200]}"
+                        )
                     if shape.drop_after_first_chunk:
                         return None  # leaving the block closes the connection mid-stream
     except httpx.HTTPError as e:
