@@ -28,6 +28,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -106,8 +107,14 @@ class Report:
 
 
 async def stream_one(
-    http: httpx.AsyncClient, base_url: str, model: str, prompt: str, n: int
+    http: httpx.AsyncClient,
+    base_url: str,
+    model: str,
+    prompt: str,
+    n: int,
+    extra: dict[str, Any] | None = None,
 ) -> RequestResult:
+    """One streamed completion of `n` tokens; `extra`: more body fields (benchmarks/structured.py's)."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -116,6 +123,7 @@ async def stream_one(
         "ignore_eos": True,  # a vLLM extension; servers without it may stop early (counted as they stop)
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     result, chunks = RequestResult(), 0
     start = last = time.perf_counter()

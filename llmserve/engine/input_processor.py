@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 from llmserve.config import ResolvedLimits
 from llmserve.engine.messages import EngineCoreRequest
 from llmserve.sampling_params import SamplingParams, is_unicode
+from llmserve.structured_output import grammars
 
 
 class TextPrompt(TypedDict):
@@ -115,6 +116,7 @@ class InputProcessor:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> TokensPrompt:
         """The conversation through the chat template, tokenized. The template writes the special
         tokens it wants; `add_special_tokens` adds the tokenizer's own (a BOS) on top, as vLLM's does."""
@@ -124,6 +126,7 @@ class InputProcessor:
             add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
         return TokensPrompt(
             prompt_token_ids=self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -137,10 +140,12 @@ class InputProcessor:
         *,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The chat template's text, as vLLM renders it: `continue_final_message` leaves the last
         (assistant) message open, for the model to continue; `chat_template_kwargs` become template
-        variables (e.g. Qwen3's `enable_thinking`)."""
+        variables (e.g. Qwen3's `enable_thinking`); `tools` (OpenAI's function tools) go to the
+        template's tools section, for models whose template has one."""
         if not isinstance(conversation, list) or not conversation:
             raise ValueError("A conversation must be a non-empty list of messages.")
         for message in conversation:
@@ -164,6 +169,7 @@ class InputProcessor:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                tools=tools,  # type: ignore[arg-type]
                 **kwargs,
             )
         )
@@ -220,6 +226,8 @@ class InputProcessor:
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
                 raise ValueError(f"{name} has token id {bad}, out of vocabulary (size {vocab}).")
+        if params.structured_outputs is not None:  # a broken schema must not reach the core
+            grammars.check(params.structured_outputs, self.tokenizer)
 
     def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
         """Each word's tokens as it would start the text, and as a word after a space when that

@@ -55,9 +55,11 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of them, through the model's chat template;
-        `continue_final_message` and `chat_template_kwargs` as in vLLM (see `InputProcessor.render_chat`)."""
+        `continue_final_message`, `chat_template_kwargs` and `tools` (OpenAI's function tools, for the
+        template's tools section) as in vLLM (see `InputProcessor.render_chat`)."""
         single = bool(messages) and isinstance(messages[0], dict)
         conversations: list[list[ChatMessage]] = [messages] if single else messages  # type: ignore[list-item,assignment]
         processor = self.llm_engine.input_processor
@@ -68,6 +70,7 @@ class LLM:
                 add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
             )
             for c in conversations
         ]

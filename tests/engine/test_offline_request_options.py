@@ -140,3 +140,13 @@ def test_add_special_tokens_adds_the_tokenizers_bos(bos_processor: InputProcesso
     # left truncation keeps the end: the BOS goes first
     truncated, _ = bos_processor.process_inputs("c", "the weather", SamplingParams(truncate_prompt_tokens=2))
     assert truncated.prompt_token_ids == with_bos.prompt_token_ids[-2:]
+
+
+def test_chat_passes_tools_to_the_template(llm: LLM) -> None:
+    template = "{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}{{ messages[0].content }}"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    with_tools = llm.chat(CHAT[:1], greedy(1), use_tqdm=False, chat_template=template, tools=tools)[0]
+    without = llm.chat(CHAT[:1], greedy(1), use_tqdm=False, chat_template=template)[0]
+    decode = llm.get_tokenizer().decode
+    assert decode(with_tools.prompt_token_ids) == "[tool get_weather]the weather"
+    assert decode(without.prompt_token_ids) == "the weather"

@@ -128,6 +128,7 @@ async def test_n_prompts_echo_and_logprobs(server: RemoteServer, tokenizer: PreT
         assert token.bytes == list(token.token.encode())
 
 
+TOOL_CALL_ID, TOOL_FUNCTION = "messages[0].tool_call_id", "tools[0].function"
 BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("/v1/completions", "{not json", 400, None),
     ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model"),
@@ -149,19 +150,19 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("/v1/chat/completions", {}, 400, "messages"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, TOOL_CALL_ID),
     (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         400,
         "messages[0].content",
     ),
-    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, TOOL_FUNCTION),
     ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required"}, 400, "tool_choice"),
     ("/v1/chat/completions", {"messages": MESSAGES, "functions": [{"name": "f"}]}, 400, "functions"),
     (
         "/v1/chat/completions",
-        {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+        {"messages": MESSAGES, "response_format": {"type": "json_schema"}},
         400,
         "response_format",
     ),

@@ -149,7 +149,7 @@ def build_app(
     models = ServedModels(args.served_model_names or (model,), model, engine.limits.max_model_len)
     as_ids = args.return_tokens_as_token_ids
     completions = OpenAIServingCompletion(engine, models, stopping, executor, as_ids)
-    chat = OpenAIServingChat(engine, models, stopping, executor, as_ids)
+    chat = OpenAIServingChat(engine, models, stopping, executor, as_ids, args.auto_tool_parser)
     tokenization = OpenAIServingTokenization(engine, models, stopping, executor)
 
     app = FastAPI(title="llmserve", version=__version__, responses=ERROR_RESPONSES)

@@ -3,19 +3,37 @@
 Unknown fields are refused, as OpenAI does; so are non-finite numbers (`NaN`, `1e999`) and strings
 that are not valid Unicode (a lone surrogate, `"\\ud800"`), which would fail only inside the engine.
 OpenAI fields we do not implement are declared only to be told apart: each lists its harmless values
-(those that change nothing, like `tools: []`), and any other value is refused with a 400 naming the
+(those that change nothing, like `functions: []`), and any other value is refused with a 400 naming the
 field, never silently ignored.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import SkipJsonSchema
+from pydantic_core import PydanticCustomError
 
 from llmserve.engine.input_processor import PromptType, TokensPrompt
 from llmserve.engine.input_processor import check_context_length as check_context_length
-from llmserve.sampling_params import INT64_MAX, RequestOutputKind, SamplingParams, is_unicode
+from llmserve.sampling_params import (
+    INT64_MAX,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+    is_unicode,
+)
 from llmserve.sampling_params import MAX_N as MAX_N
 
 _UNSET: tuple[object, ...] = (None,)
@@ -28,6 +46,16 @@ TokenIds = list[StrictInt]
 # vLLM's `request_id` (or the X-Request-Id header) names the response; bounded, as every output
 # message of the request carries it.
 MAX_REQUEST_ID_CHARS = 1024
+# vLLM's guided decoding fields, which vLLM replaced by `structured_outputs` and now ignores silently (its
+# users' most frequent complaint): here each is refused, naming its replacement.
+REPLACED_FIELDS = {
+    "guided_json": "structured_outputs.json, or response_format {type: json_schema}",
+    "guided_regex": "structured_outputs.regex",
+    "guided_choice": "structured_outputs.choice",
+    "guided_grammar": "structured_outputs.grammar",
+    "guided_whitespace_pattern": "structured_outputs.whitespace_pattern",
+    "guided_decoding_backend": "nothing: the server picks the backend (llguidance)",
+}
 
 
 class OpenAIRequest(BaseModel):
@@ -42,6 +70,9 @@ class OpenAIRequest(BaseModel):
         allowed = cls.harmless.get(info.field_name or "")
         if allowed is not None and value not in allowed:
             raise ValueError(f"{info.field_name} is not supported by this server")
+        replacement = REPLACED_FIELDS.get(info.field_name or "")
+        if replacement is not None and value is not None:
+            raise ValueError(f"{info.field_name} was removed (as in vLLM): use {replacement}")
         if not _all_unicode(value):
             raise ValueError(f"{info.field_name} is not valid Unicode: it holds a lone surrogate")
         return value
@@ -61,6 +92,50 @@ def _all_unicode(value: object) -> bool:
 class StreamOptions(OpenAIRequest):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
+
+
+class JsonSchemaFormat(OpenAIRequest):
+    """OpenAI's `response_format.json_schema`. The output always follows `schema`, whatever `strict` says
+    (as in vLLM); `name` and `description` change nothing."""
+
+    name: str
+    description: str | None = None
+    # OpenAI's `schema`, renamed here because pydantic's BaseModel has a `schema` method
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIRequest):
+    """OpenAI's `response_format`: `text` (no constraint), `json_object` (any JSON object) or
+    `json_schema` (its `json_schema.schema`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError("type json_schema needs json_schema.schema, the JSON schema to follow")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"json_schema is only read with type json_schema, not {self.type}")
+        return self
+
+
+# The fields of `StructuredOutputsParams` that choose the constraint; exactly one is set.
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class StructuredOutputsRequest(OpenAIRequest):
+    """vLLM's `structured_outputs` request field: `StructuredOutputsParams` as JSON."""
+
+    # `json` is renamed here because pydantic's BaseModel has a `json` method
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
 
 
 class SamplingRequest(OpenAIRequest):
@@ -105,6 +180,14 @@ class SamplingRequest(OpenAIRequest):
     length_penalty: float = 1.0
     spaces_between_special_tokens: bool = True
     priority: StrictInt = 0  # vLLM's extra: lower is scheduled first (--scheduling-policy priority only)
+    response_format: ResponseFormat | None = None  # vLLM reads it on completions too
+    structured_outputs: StructuredOutputsRequest | None = None  # vLLM's
+    guided_json: SkipJsonSchema[Any] = None  # each guided_* field is refused (see REPLACED_FIELDS)
+    guided_regex: SkipJsonSchema[Any] = None
+    guided_choice: SkipJsonSchema[Any] = None
+    guided_grammar: SkipJsonSchema[Any] = None
+    guided_whitespace_pattern: SkipJsonSchema[Any] = None
+    guided_decoding_backend: SkipJsonSchema[Any] = None
 
     @property
     def include_usage(self) -> bool:
@@ -165,8 +248,27 @@ class SamplingRequest(OpenAIRequest):
             logprobs=logprobs,
             prompt_logprobs=_wider(self.prompt_logprobs, prompt_logprobs),
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            structured_outputs=self.structured_outputs_params(),
             output_kind=output_kind,
         )
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """`structured_outputs`, with `response_format`'s constraint when that is JSON (then only the
+        options, `whitespace_pattern` and `disable_additional_properties`, may come from
+        `structured_outputs`). Raises `ValueError` naming the field when the two conflict."""
+        given = self.structured_outputs
+        fields = {} if given is None else given.model_dump(by_alias=True, exclude_none=True)
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            if any(kind in fields for kind in CONSTRAINTS):
+                raise ValueError(
+                    "response_format and structured_outputs both constrain the output: send only one."
+                )
+            if fmt.json_schema is not None:
+                fields["json"] = fmt.json_schema.json_schema
+            else:
+                fields["json_object"] = True
+        return StructuredOutputsParams(**fields) if fields else None
 
 
 def _wider(a: int | None, b: int | None) -> int | None:
@@ -221,10 +323,55 @@ class TextPart(OpenAIRequest):
     text: str
 
 
+class FunctionCallParam(OpenAIRequest):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallParam(OpenAIRequest):
+    """A call in an earlier assistant message, sent back with the conversation."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCallParam
+
+    def for_template(self) -> dict[str, object]:
+        """As vLLM gives it to chat templates: the arguments parsed (templates write them with
+        `tojson`), or left as text when they are not JSON."""
+        try:
+            arguments: object = json.loads(self.function.arguments)
+        except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
+            arguments = self.function.arguments
+        function = {"name": self.function.name, "arguments": arguments}
+        return {"id": self.id, "type": "function", "function": function}
+
+
 class ChatMessage(OpenAIRequest):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    """A message of the conversation; the fields are validated in this order, so each validator sees
+    the ones above it."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: list[ToolCallParam] | None = None  # the assistant's calls
+    tool_call_id: str | None = Field(None, validate_default=True)  # the call a `tool` message answers
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
     name: str | None = None  # accepted; chat templates do not use it
+    refusal: str | None = None  # an earlier answer's, sent back by clients; templates do not use it
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _assistant_calls(cls, value: list[ToolCallParam] | None, info: ValidationInfo) -> Any:
+        if value is not None and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _answers_a_call(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if (value is None) == (info.data.get("role") == "tool"):
+            if value is None:  # OpenAI's "Missing required parameter"
+                raise PydanticCustomError("missing", "Field required")
+            raise ValueError("only messages of role tool answer a tool call")
+        return value
 
     @field_validator("content", mode="before")
     @classmethod
@@ -235,23 +382,58 @@ class ChatMessage(OpenAIRequest):
                 raise ValueError(f"only text content parts are supported, got type {kind!r}")
         return value
 
+    @field_validator("content")
+    @classmethod
+    def _content_or_calls(cls, value: str | list[TextPart] | None, info: ValidationInfo) -> Any:
+        """Content may be null only in an assistant message that calls tools (OpenAI's rule)."""
+        if value is None and not info.data.get("tool_calls"):
+            raise PydanticCustomError("missing", "Field required")
+        return value
+
     def for_template(self) -> dict[str, object]:
-        """The message as chat templates expect it: one string of content; `developer` is OpenAI's
-        newer name for `system`."""
-        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        """The message as chat templates expect it: one string of content ("" for an assistant's
+        calls alone); `developer` is OpenAI's newer name for `system`; calls and the id they answer
+        as vLLM passes them."""
+        if self.content is None or isinstance(self.content, str):
+            content = self.content or ""
+        else:
+            content = "\n".join(p.text for p in self.content)
+        role = "system" if self.role == "developer" else self.role
+        message: dict[str, object] = {"role": role, "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDefinition(OpenAIRequest):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; None: no arguments
+    strict: bool | None = None  # forced calls follow `parameters` always; `auto` ones never are
+
+
+class ChatTool(OpenAIRequest):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIRequest):
+    name: str
+
+
+class NamedToolChoice(OpenAIRequest):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingRequest):
     harmless: ClassVar[dict[str, tuple[object, ...]]] = {
         **SamplingRequest.harmless,
         "best_of": (None, 1),
-        "tools": (None, []),
-        "tool_choice": (None, "none", "auto"),  # "auto" with no tools chooses none
-        "parallel_tool_calls": (None, True, False),
         "functions": (None, []),
         "function_call": (None, "none"),
-        "response_format": (None, {"type": "text"}),
         "modalities": (None, ["text"]),
         "audio": _UNSET,
         "prediction": _UNSET,
@@ -267,12 +449,11 @@ class ChatCompletionRequest(SamplingRequest):
     store: bool | None = None  # nothing is stored either way
     metadata: dict[str, str] | None = None  # ignored, as it is when store is off
     service_tier: str | None = None  # one tier here
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # see tool_use.py
+    parallel_tool_calls: bool | None = None  # false: at most one call
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
@@ -286,6 +467,22 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # template variables
     documents: list[dict[str, str]] | None = None  # the template's `documents` (RAG)
     echo: bool = False  # the reply starts with the last message, when that is the assistant's
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _named_tool(cls, value: Any) -> Any:
+        """A named choice's errors name the field inside it, with the correct usage (as vLLM's do)."""
+        if not isinstance(value, dict):
+            return value
+        try:
+            return NamedToolChoice.model_validate(value)
+        except ValidationError as e:
+            error = e.errors()[0]
+            where = ".".join(map(str, error["loc"]))
+            raise ValueError(
+                f"{where}: {error['msg']}. Correct usage: "
+                '{"type": "function", "function": {"name": "my_function"}}'
+            ) from None
 
     @field_validator("max_tokens", "max_completion_tokens")
     @classmethod

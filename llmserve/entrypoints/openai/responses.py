@@ -82,10 +82,22 @@ class ChoiceLogprobs(BaseModel):
     refusal: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str  # "call_..."
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the message is tool calls alone
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -108,7 +120,9 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: dict[str, Any]  # {"role": ..., "content": ...} on the first chunk, then {"content": ...}
+    # {"role": ..., "content": ...} on the first chunk, then {"content": ...} and/or {"tool_calls": [...]}:
+    # a call's first delta has its index, id, type, name and arguments so far; later ones append to them
+    delta: dict[str, Any]
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
 

@@ -6,6 +6,8 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from llmserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
 API_KEY_ENV = "LLMSERVE_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -30,6 +32,9 @@ class ServerArgs:
     # with Retry-After (None: no limit).
     max_num_queued_requests: int | None = None
     max_num_queued_tokens: int | None = None
+    # vLLM's tool calling flags: `tool_choice: "auto"` reads calls out of the text with this parser
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -49,6 +54,15 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}.")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}.")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice requires tool_call_parser (vLLM's rule).")
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser `tool_choice: "auto"` uses; None while auto tool choice is off."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -109,6 +123,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the same for the sum of those requests' prompt tokens (default: no limit)",
     )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="how tool calls are read out of the model's text for tool_choice 'auto' (vLLM's names)",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="let the model decide when to call tools (tool_choice 'auto', the default with tools); "
+        "needs --tool-call-parser",
+    )
 
 
 def server_args_from(ns: argparse.Namespace) -> ServerArgs:
@@ -126,4 +152,6 @@ def server_args_from(ns: argparse.Namespace) -> ServerArgs:
         return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
         max_num_queued_requests=ns.max_num_queued_requests,
         max_num_queued_tokens=ns.max_num_queued_tokens,
+        tool_call_parser=ns.tool_call_parser,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
     )

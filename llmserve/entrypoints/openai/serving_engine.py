@@ -23,7 +23,9 @@ from llmserve.entrypoints.openai.protocol import ChatMessage, SamplingRequest
 from llmserve.entrypoints.openai.serving_models import ServedModels
 from llmserve.entrypoints.openai.streaming import merge_streams
 from llmserve.outputs import RequestOutput
-from llmserve.sampling_params import RequestOutputKind, SamplingParams
+from llmserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from llmserve.structured_output import grammars
+from llmserve.structured_output.grammars import StructuredOutputError
 
 T = TypeVar("T")
 
@@ -121,8 +123,8 @@ class OpenAIServing:
             )
         return model
 
-    @staticmethod
     def sampling_params(
+        self,
         request: SamplingRequest,
         max_tokens: int | None,
         logprobs: int | None,
@@ -131,9 +133,28 @@ class OpenAIServing:
         """Streams get deltas; the others only the finished output."""
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         try:
-            return request.sampling_params(max_tokens, logprobs, kind, prompt_logprobs)
+            params = request.sampling_params(max_tokens, logprobs, kind, prompt_logprobs)
         except ValueError as e:
             raise bad_request(e, type(request).model_fields) from e
+        if params.structured_outputs is not None:
+            self.check_structured_outputs(params.structured_outputs, _constraint_field(request))
+        return params
+
+    def check_structured_outputs(self, params: StructuredOutputsParams, field: str | None = None) -> None:
+        """A schema, regex or grammar that cannot compile for this tokenizer is a 400 here, naming the
+        request's `field` (default: `structured_outputs.<kind>`) and the problem, before the engine
+        sees it: there it would fail only once the request is running."""
+        own = f"structured_outputs.{params.kind}"
+        checks = [(params, own, field or own)]
+        if params.whitespace_pattern:  # first, so that its errors name it
+            pattern = StructuredOutputsParams(regex=params.whitespace_pattern)
+            where = "structured_outputs.whitespace_pattern"
+            checks.insert(0, (pattern, "structured_outputs.regex", where))
+        for checked, named, given in checks:
+            try:
+                grammars.check(checked, self.engine.tokenizer)
+            except ValueError as e:
+                raise OpenAIError(str(e).replace(named, given, 1), param=given) from e
 
     def render_chat(
         self,
@@ -144,9 +165,11 @@ class OpenAIServing:
         chat_template_kwargs: dict[str, Any] | None = None,
         add_special_tokens: bool = False,
         check_chars: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> TokensPrompt:
-        """The messages through the chat template (vLLM's options), tokenized. With `check_chars`, a
-        rendered prompt too long to fit is refused before tokenizing, as a text prompt is."""
+        """The messages (and `tools`, for the template's tools section) through the chat template
+        (vLLM's options), tokenized. With `check_chars`, a rendered prompt too long to fit is refused
+        before tokenizing, as a text prompt is."""
         conversation: list[dict[str, object]] = [m.for_template() for m in messages]
         try:
             text = self.engine.input_processor.render_chat_text(
@@ -155,6 +178,7 @@ class OpenAIServing:
                 add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
             )
         except TemplateError as e:
             raise OpenAIError(f"The chat template failed on these messages: {e}", param="messages") from e
@@ -217,13 +241,28 @@ class OpenAIServing:
             )
             for i, p in enumerate(prompts)
         ]
-        return _overload_as_503(merge_streams(streams, self.stopping))
+        return _as_openai_errors(merge_streams(streams, self.stopping))
 
 
-async def _overload_as_503(stream: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
+def _constraint_field(request: SamplingRequest) -> str | None:
+    """The field that set the request's constraint when it is not `structured_outputs`."""
+    fmt = request.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    return "response_format.json_schema.schema" if fmt.type == "json_schema" else "response_format"
+
+
+async def _as_openai_errors(stream: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
+    """A full queue or a queue timeout is a 503; a grammar that failed in the core (one that passed the
+    front end's check, then rejected a token, as a regex whose lexer outgrows llguidance's limits) is
+    the client's 400, with the first line of the core's message (the rest dumps the matcher)."""
     async with aclosing(stream):
         try:
             async for item in stream:
                 yield item
         except EngineOverloadedError as e:
             raise ServerOverloaded(str(e)) from e
+        except StructuredOutputError as e:
+            reason = str(e).partition("\n")[0]
+            message = f"The output's constraint failed during generation: {reason}"
+            raise OpenAIError(message, param="structured_outputs") from e
