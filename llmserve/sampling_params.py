@@ -36,7 +36,10 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    disable_additional_properties: bool = False  # a schema's objects take no property it does not name
+    # True (our default): an object schema that names its properties and says nothing of others takes
+    # no others, as with vLLM's default backend (xgrammar); a small model offered open objects invents
+    # properties until max_tokens. False: JSON Schema's open objects (llguidance's own default).
+    disable_additional_properties: bool = True
     whitespace_pattern: str | None = None  # a regex for the whitespace JSON may hold; None: compact
 
     def __post_init__(self) -> None:

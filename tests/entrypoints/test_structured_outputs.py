@@ -153,9 +153,11 @@ PERSON = {
                     "type": "json_schema",
                     "json_schema": {"name": "p", "description": "d", "schema": PERSON, "strict": True},
                 },
-                "structured_outputs": {"whitespace_pattern": " ?", "disable_additional_properties": True},
+                "structured_outputs": {"whitespace_pattern": " ?", "disable_additional_properties": False},
             },
-            StructuredOutputsParams(json=PERSON, whitespace_pattern=" ?", disable_additional_properties=True),
+            StructuredOutputsParams(
+                json=PERSON, whitespace_pattern=" ?", disable_additional_properties=False
+            ),
         ),
         ({"structured_outputs": {"regex": "a+"}}, StructuredOutputsParams(regex="a+")),
         ({"structured_outputs": {"choice": ["a", "b"]}}, StructuredOutputsParams(choice=["a", "b"])),

@@ -30,11 +30,11 @@ def accepts(backend: LLGuidanceBackend, tokenizer: Any, params: StructuredOutput
         (StructuredOutputsParams(json=PERSON), '{"name":"Ann","age":3}', True),
         (StructuredOutputsParams(json=PERSON), '{"name": "Ann", "age": 3}', False),  # compact by default
         (StructuredOutputsParams(json=PERSON), '{"name":"Ann"}', False),  # required
-        (StructuredOutputsParams(json=PERSON), '{"name":"Ann","age":3,"x":1}', True),
+        (StructuredOutputsParams(json=PERSON), '{"name":"Ann","age":3,"x":1}', False),  # closed by default
         (
-            StructuredOutputsParams(json=PERSON, disable_additional_properties=True),
+            StructuredOutputsParams(json=PERSON, disable_additional_properties=False),
             '{"name":"Ann","age":3,"x":1}',
-            False,
+            True,
         ),
         (StructuredOutputsParams(json=PERSON, whitespace_pattern=" ?"), '{"name": "Ann", "age": 3}', True),
         (StructuredOutputsParams(json='{"type": "integer"}'), "12", True),  # a schema as text

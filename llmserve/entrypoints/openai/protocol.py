@@ -134,7 +134,7 @@ class StructuredOutputsRequest(OpenAIRequest):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    disable_additional_properties: bool = False
+    disable_additional_properties: bool = True  # see StructuredOutputsParams
     whitespace_pattern: str | None = None
 
 
