@@ -23,6 +23,8 @@ class LLMEngine:
         self.limits = front.limits
         self.input_processor = front.input_processor
         self.output_processor = front.output_processor
+        # the other requests' outputs of a step that raised, returned by the next step
+        self._undelivered: list[RequestOutput] = []
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -55,20 +57,29 @@ class LLMEngine:
         self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests()
+        return bool(self._undelivered) or self.output_processor.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """Raises `StructuredOutputError` (its request aborted) when a request's grammar failed."""
-        if not self.has_unfinished_requests():
+        """Raises `StructuredOutputError` when requests' grammars failed: those requests are aborted
+        (every sample of each), and the step's outputs of the others come with the next `step()`."""
+        if self._undelivered:
+            delivered, self._undelivered = self._undelivered, []
+            return delivered
+        if not self.output_processor.has_unfinished_requests():
             return []  # a core in another process would have no outputs to send: do not wait for one
         outputs = self.engine_core.get_output()
-        failed = next((o for o in outputs.outputs if o.finish_reason == FinishReason.ERROR), None)
-        if failed is not None and failed.request_id in self.output_processor.request_states:
-            self.abort_request([self.output_processor.request_states[failed.request_id].external_id])
-            raise StructuredOutputError(failed.error or "The request failed in the engine core.")
-        processed = self.output_processor.process_outputs(outputs.outputs)
+        states = self.output_processor.request_states
+        failed = [
+            o for o in outputs.outputs if o.finish_reason == FinishReason.ERROR and o.request_id in states
+        ]
+        if failed:
+            self.abort_request(list(dict.fromkeys(states[o.request_id].external_id for o in failed)))
+        processed = self.output_processor.process_outputs(outputs.outputs)  # skips the aborted ones
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
+        if failed:
+            self._undelivered = processed.request_outputs
+            raise StructuredOutputError(failed[0].error or "The request failed in the engine core.")
         return processed.request_outputs
 
     def shutdown(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -83,9 +84,10 @@ class Scheduler:
         self.running: list[Request] = []
         self._by_priority = config.scheduling_policy == "priority"
         self._clock = clock
-        # (deadline, request) in arrival order, so deadlines ascend; entries outlive their requests'
-        # admission and are dropped when their deadline passes
-        self._queue_deadlines: deque[tuple[float, Request]] = deque()
+        # (deadline, request) in arrival order, so deadlines ascend; an entry outlives its request's
+        # admission until its deadline passes, by a weak reference that does not keep a finished
+        # request (its tokens, its grammar matcher) alive
+        self._queue_deadlines: deque[tuple[float, weakref.ref[Request]]] = deque()
         self._finished_unrun: list[EngineCoreOutput] = []  # ended in schedule(); sent with the next update
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
@@ -96,7 +98,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add(request)
         if self.config.max_queue_time is not None:
-            self._queue_deadlines.append((self._clock() + self.config.max_queue_time, request))
+            self._queue_deadlines.append((self._clock() + self.config.max_queue_time, weakref.ref(request)))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -161,8 +163,9 @@ class Scheduler:
         now = self._clock()
         expired: list[Request] = []
         while self._queue_deadlines and self._queue_deadlines[0][0] <= now:
-            _, request = self._queue_deadlines.popleft()
-            if request.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FSM):
+            request = self._queue_deadlines.popleft()[1]()
+            queued = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FSM)
+            if request is not None and request.status in queued:
                 expired.append(request)
         if not expired:
             return
@@ -173,11 +176,12 @@ class Scheduler:
             self._finished_unrun.append(EngineCoreOutput(request.request_id, [], FinishReason.QUEUE_TIMEOUT))
 
     def _grammar_ready(self, request: Request) -> bool:
-        """Whether the request's grammar compiled; one that failed to finishes the request (ERROR)."""
+        """Whether the request's grammar compiled; one that failed to finishes the request (ERROR).
+        Any exception of the compile (the tokenizer's loading too) fails only this request."""
         assert request.structured_output is not None
         try:
             ready = request.structured_output.is_ready()
-        except ValueError as e:
+        except Exception as e:
             self.waiting.pop()
             self._finished_unrun.append(self._fail(request, f"structured_outputs failed to compile: {e}"))
             return False

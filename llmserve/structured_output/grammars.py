@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 import weakref
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -23,6 +25,11 @@ if TYPE_CHECKING:
 _ANY_OBJECT = '{"type": "object"}'
 # An LLTokenizer takes about a second to build from a Hugging Face one: one per front-end tokenizer.
 _LL_TOKENIZERS: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
+# Grammars already validated, per tokenizer, most recent last: validating builds the lexer (up to
+# llguidance's limits), which a request's second and third checks need not repeat.
+_VALID_GRAMMARS: weakref.WeakKeyDictionary[Any, OrderedDict[str, None]] = weakref.WeakKeyDictionary()
+_MAX_VALID_GRAMMARS = 512
+_VALID_LOCK = threading.Lock()
 
 
 class StructuredOutputError(ValueError):
@@ -67,9 +74,18 @@ def check(params: StructuredOutputsParams, tokenizer: object) -> None:
     ):
         raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings.")
     grammar = to_grammar(params)
+    with _VALID_LOCK:  # the server checks in a worker thread; the engine's front end again, on its loop
+        valid = _VALID_GRAMMARS.setdefault(tokenizer, OrderedDict())
+        if grammar in valid:
+            valid.move_to_end(grammar)
+            return
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer(tokenizer))
     if is_error:
         raise ValueError(f"structured_outputs.{params.kind} is invalid: {messages[0]}")
+    with _VALID_LOCK:
+        valid[grammar] = None
+        if len(valid) > _MAX_VALID_GRAMMARS:
+            valid.popitem(last=False)
 
 
 def ll_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:

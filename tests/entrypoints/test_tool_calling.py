@@ -120,6 +120,23 @@ def test_hermes_parser_stream_equals_whole(size: int) -> None:
     assert streamed(TOOL_PARSERS["hermes"](), HERMES_OUTPUT, size, 1)[1] == HERMES_CALLS[:1]
 
 
+@pytest.mark.parametrize("size", [1, 7, 10_000])
+@pytest.mark.parametrize(
+    ("tail", "max_calls"),
+    [
+        ('<tool_call>\n{"name": "get_weather", "argu', 1),  # a second call cut short, past the one kept
+        ("<tool_call>\n", None),  # a last call opened, never begun
+    ],
+)
+def test_hermes_stream_equals_whole_whatever_follows_the_calls(
+    size: int, tail: str, max_calls: int | None
+) -> None:
+    first = HERMES_OUTPUT[: HERMES_OUTPUT.index("</tool_call>") + len("</tool_call>")] + "\n"
+    whole = extract_tool_calls(TOOL_PARSERS["hermes"](), first + tail, max_calls)
+    assert whole == ("Let me check. ", HERMES_CALLS[:1])
+    assert streamed(TOOL_PARSERS["hermes"](), first + tail, size, max_calls) == whole
+
+
 @pytest.mark.parametrize("size", [1, 3, 10_000])
 def test_llama3_json_parser_stream_equals_whole(size: int) -> None:
     assert extract_tool_calls(TOOL_PARSERS["llama3_json"](), LLAMA_OUTPUT, None) == (None, LLAMA_CALLS)
@@ -361,7 +378,8 @@ def ask(client: openai.OpenAI, stream: bool, **args: Any) -> tuple[str | None, l
 def conversation(client: openai.OpenAI, tool_choice: Any, stream: bool) -> str:
     """Turn one forced or left to the model; turn two answers from the tool's result: its answer."""
     content, calls, finish = ask(client, stream, messages=[QUESTION], tool_choice=tool_choice)
-    assert finish == "tool_calls" and not content, (content, calls)
+    named = isinstance(tool_choice, dict)  # OpenAI and vLLM answer `stop` for a named function
+    assert finish == ("stop" if named else "tool_calls") and not content, (content, calls)
     (call,) = calls
     assert call["id"].startswith("call_") and call["type"] == "function"
     assert call["function"]["name"] == "get_weather"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 
 from llmserve.config import SchedulerConfig, SchedulingPolicy
@@ -158,3 +161,17 @@ def test_expired_and_aborted_requests_leave_the_priority_queue() -> None:
     expired = [o.request_id for o in step(scheduler) if o.finish_reason == FinishReason.QUEUE_TIMEOUT]
     assert sorted(expired) == ["w0", "w2", "w3"]
     assert not scheduler.waiting and set(scheduler.requests) == {"running"}
+
+
+def test_a_finished_request_is_not_kept_alive_until_its_queue_deadline() -> None:
+    """The deadlines hold weak references: a request that ran and finished long before its deadline
+    (its tokens, its grammar matcher) is freed when it finishes."""
+    scheduler = make_scheduler("fcfs", max_queue_time=600.0)
+    request = make_request("done", 4, max_tokens=1)
+    scheduler.add_request(request)
+    step(scheduler)
+    assert not scheduler.has_unfinished_requests()
+    finished = weakref.ref(request)
+    del request
+    gc.collect()
+    assert finished() is None

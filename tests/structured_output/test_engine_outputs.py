@@ -179,3 +179,27 @@ def test_preemption_during_constrained_decoding_keeps_the_matchers_consistent(
     for a, b, i in zip(tight, roomy, range(8)):
         jsonschema.validate(json.loads(a.outputs[0].text), SCHEMAS[i % 2])
         assert_same_greedy(llm, a, b)
+
+
+def test_grammars_failing_together_leave_nothing_behind_and_lose_no_output(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stepping `LLMEngine` by hand: each failed request raises once, and is gone; the free request's
+    outputs of a step that raised come with the next step."""
+    monkeypatch.setattr(grammars, "check", lambda params, tokenizer: None)
+    engine = llm.llm_engine
+    broken = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-"))
+    engine.add_request("broken-1", "a", broken)
+    engine.add_request("broken-2", "b", broken)
+    engine.add_request("free", "c", SamplingParams(max_tokens=4, ignore_eos=True))
+    errors, outputs = 0, []
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        try:
+            outputs += engine.step()
+        except StructuredOutputError:
+            errors += 1
+    assert not engine.has_unfinished_requests()
+    assert 1 <= errors <= 2 and {o.request_id for o in outputs} == {"free"}
+    assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 4

@@ -99,3 +99,17 @@ def test_a_rejected_token_ends_the_request_with_an_error() -> None:
     assert output.finish_reason == FinishReason.ERROR
     assert output.error is not None and "too long" in output.error
     assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.block_pool.num_blocks
+
+
+def test_any_exception_of_the_compile_ends_only_its_request() -> None:
+    """The first structured request also loads the tokenizer there: an OSError must not end the core."""
+    scheduler = make_scheduler()
+    request, future = structured("broken")
+    scheduler.add_request(request)
+    scheduler.add_request(free("free"))
+    future.set_exception(OSError("tokenizer.json: no such file"))
+    out = scheduler.schedule()
+    outputs = scheduler.update_from_output(out, fake_run(out))
+    failed = next(o for o in outputs if o.request_id == "broken")
+    assert failed.finish_reason == FinishReason.ERROR and "no such file" in (failed.error or "")
+    assert list(scheduler.requests) == ["free"]

@@ -152,7 +152,7 @@ class OpenAIServingChat(OpenAIServing):
                     choices = []
                     for s in output.outputs:
                         completion_tokens += len(s.token_ids)
-                        delta, finish = _delta(s, calls.get(s.index))
+                        delta, finish = _delta(s, calls.get(s.index), tools.calls_finish)
                         logprobs = self._logprobs(s, params, as_ids)
                         if delta or finish or logprobs:
                             choices.append(
@@ -193,23 +193,26 @@ def _choice(
         index=sample.index,
         message=AssistantMessage(content=content, tool_calls=tool_calls or None),
         logprobs=logprobs,
-        finish_reason=_finish(sample.finish_reason, bool(calls)),
+        finish_reason=_finish(sample.finish_reason, bool(calls), tools.calls_finish),
     )
 
 
-def _delta(sample: CompletionOutput, calls: ToolCallStream | None) -> tuple[dict[str, Any], str | None]:
+def _delta(
+    sample: CompletionOutput, calls: ToolCallStream | None, calls_finish: str
+) -> tuple[dict[str, Any], str | None]:
     """A streamed sample's delta and finish reason. The delta may be empty: a tool parser holds back
     text that may yet open a call."""
     finish = sample.finish_reason
     if calls is None:
         return ({"content": sample.text} if sample.text or not finish else {}), finish
     delta = calls.delta(sample.text, final=finish is not None)
-    return delta, _finish(finish, calls.called)
+    return delta, _finish(finish, calls.called, calls_finish)
 
 
-def _finish(reason: str | None, called: bool) -> str | None:
-    """OpenAI's `tool_calls` for an output that ended with calls; `length` stays (a call may be cut)."""
-    return "tool_calls" if called and reason == "stop" else reason
+def _finish(reason: str | None, called: bool, calls_finish: str) -> str | None:
+    """`calls_finish` (see `ToolUse`) for an output that ended with calls; `length` stays (a call may
+    be cut)."""
+    return calls_finish if called and reason == "stop" else reason
 
 
 def _echoed(request: ChatCompletionRequest) -> str:

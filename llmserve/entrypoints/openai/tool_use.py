@@ -31,12 +31,14 @@ AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --
 class ToolUse:
     """`tools` for the chat template; `parser` makes one `ToolParser` per sample (None: the output is
     all content); `schema` is the forced choices' structured output; `max_calls` is 1 when
-    `parallel_tool_calls` is false."""
+    `parallel_tool_calls` is false. `calls_finish` is the finish reason of an output that made calls:
+    `tool_calls`, but `stop` when `tool_choice` named the function, as OpenAI and vLLM answer."""
 
     tools: list[dict[str, Any]] | None = None
     parser: Callable[[], ToolParser] | None = None
     schema: dict[str, Any] | None = None
     max_calls: int | None = None
+    calls_finish: str = "tool_calls"
 
 
 def tool_use(request: ChatCompletionRequest, auto_parser: str | None) -> ToolUse:
@@ -77,4 +79,4 @@ def tool_use(request: ChatCompletionRequest, auto_parser: str | None) -> ToolUse
             param="tool_choice",
         )
     schema = parameters_of(functions[names.index(name)])
-    return replace(use, parser=partial(NamedToolParser, name), schema=schema)
+    return replace(use, parser=partial(NamedToolParser, name), schema=schema, calls_finish="stop")

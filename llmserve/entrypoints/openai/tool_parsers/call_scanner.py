@@ -15,6 +15,7 @@ class CallScanner:
     closing brace) once the object is complete; `error` once the text cannot be a JSON object."""
 
     def __init__(self, start: int) -> None:
+        self.start = start  # where the object may begin in the text
         self.values: dict[str, tuple[int, int]] = {}  # key → span of its raw value, once complete
         self.open_value: tuple[str, int] | None = None  # the key whose value is being read, its start
         self.end: int | None = None

@@ -34,4 +34,7 @@ class HermesToolParser(ToolParser):
         if not self._scanners:
             return Parsed(self.text if final else held_back(self.text, START), [])
         content = self.text[: self.text.find(START)]
-        return replace(drafts_of(self._scanners, self.text, ("arguments",)), content=content)
+        scanners = self._scanners
+        if final and len(scanners) > 1 and not self.text[scanners[-1].start :].strip():
+            scanners = scanners[:-1]  # a last `<tool_call>` with nothing after it: no call begun
+        return replace(drafts_of(scanners, self.text, ("arguments",)), content=content)

@@ -22,12 +22,13 @@ def extract_tool_calls(
     empty content is None, as OpenAI sends it."""
     parser.feed(text)
     parsed = parser.parse(final=True)
-    if parsed.broken or not all(c.complete and c.name is not None for c in parsed.calls):
+    kept = parsed.calls[:max_calls]  # cut first, as the stream does: what follows the kept calls is dropped
+    broken_among_kept = parsed.broken and len(kept) == len(parsed.calls)
+    if broken_among_kept or not all(c.complete and c.name is not None for c in kept):
         return text, []
-    if not parsed.calls:
+    if not kept:
         return parsed.content, []
-    calls = [(c.name, c.arguments) for c in parsed.calls[:max_calls] if c.name is not None]
-    return parsed.content or None, calls
+    return parsed.content or None, [(c.name, c.arguments) for c in kept if c.name is not None]
 
 
 @dataclass
