@@ -111,8 +111,18 @@ async def test_queue_timeout_fails_the_request_and_frees_it(tiny_llama_hf_dir: P
     try:
         running = await started(engine.generate(PROMPT, greedy(900), "running"))
         params = SamplingParams(n=2, max_tokens=2, seed=1)  # a parent: both samples expire together
+        late = asyncio.create_task(drain(engine.generate(PROMPT, params, "late")))
+        # "running" may finish its 900 tokens within max_queue_time on a fast machine: the core is
+        # paused, once "late" has reached its queue, for longer than that, so its deadline passes first
+        core = engine.engine_core.proc.pid  # type: ignore[attr-defined]
+        await asyncio.sleep(0.02)
+        os.kill(core, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(0.5)
+        finally:
+            os.kill(core, signal.SIGCONT)
         with pytest.raises(QueueTimeoutError, match="max_queue_time"):
-            await drain(engine.generate(PROMPT, params, "late"))
+            await late
         assert not engine.output_processor.parents
         assert list(engine.output_processor.request_states) == ["running"]
         assert engine.queue.num_requests == 0
@@ -134,9 +144,15 @@ async def test_priority_orders_the_waiting_queue_end_to_end(tiny_llama_hf_dir: P
             done.append(request_id)
 
         tasks = []
-        for request_id, priority in (("low", 5), ("mid", 0), ("high", -5)):
-            tasks.append(asyncio.create_task(run(request_id, priority)))
-            await asyncio.sleep(0.02)  # in this order into the core
+        core = engine.engine_core.proc.pid  # type: ignore[attr-defined]
+        os.kill(core, signal.SIGSTOP)  # "running" cannot finish before all three wait behind it
+        try:
+            for request_id, priority in (("low", 5), ("mid", 0), ("high", -5)):
+                tasks.append(asyncio.create_task(run(request_id, priority)))
+                await asyncio.sleep(0.02)  # in this order into the core
+        finally:
+            os.kill(core, signal.SIGCONT)
+        await asyncio.sleep(0.1)
         await running.aclose()
         await asyncio.gather(*tasks)
         assert done == ["high", "mid", "low"]
