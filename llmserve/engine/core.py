@@ -27,8 +27,8 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         source = resolve_model(config.model_config.model)
-        llama_config = load_model_config(source)
-        self.model_runner = ModelRunner(config.model_config, llama_config, source)
+        decoder_config = load_model_config(source)
+        self.model_runner = ModelRunner(config.model_config, decoder_config, source)
         block_size = config.cache_config.block_size
         budget = kv_cache_budget(self.model_runner.device, config.cache_config.kv_cache_memory)
         block_bytes = self.model_runner.kv_cache_bytes_per_block(block_size)
@@ -40,12 +40,12 @@ class EngineCore:
         self.limits = ResolvedLimits(
             max_model_len=_max_model_len(
                 config.model_config.max_model_len,
-                llama_config.max_position_embeddings,
+                decoder_config.max_position_embeddings,
                 num_blocks * block_size,
             ),
             num_kv_blocks=num_blocks,
             block_size=block_size,
-            vocab_size=llama_config.vocab_size,
+            vocab_size=decoder_config.vocab_size,
         )
         self.model_runner.initialize_kv_cache(num_blocks, block_size)
         _log_memory(self.model_runner, self.limits, num_blocks * block_bytes)

@@ -12,13 +12,14 @@ from llmserve.engine.messages import TokenLogprobs
 from llmserve.model_executor.attention import AttentionMetadata, PrefillChunk
 from llmserve.model_executor.cpu_threads import configure_core_threads
 from llmserve.model_executor.device import resolve_device, resolve_dtype
+from llmserve.model_executor.execution_plan import ExecutionPlan
 from llmserve.model_executor.host_memory import empty_pool, populate_in_background
 from llmserve.model_executor.input_buffers import InputBuffers
-from llmserve.model_executor.kernels import native
 from llmserve.model_executor.loader import ModelSource, iter_weights
 from llmserve.model_executor.logits_processors import apply_logits_processors, build_logits_metadata
-from llmserve.model_executor.models.llama import KVCache, LlamaForCausalLM
-from llmserve.model_executor.models.llama_config import LlamaConfig
+from llmserve.model_executor.models.causal_lm import KVCache
+from llmserve.model_executor.models.decoder_config import DecoderConfig
+from llmserve.model_executor.models.registry import model_class
 from llmserve.model_executor.sampler import SamplingMetadata, gather_logprobs, sample
 from llmserve.scheduling.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from llmserve.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
@@ -31,29 +32,26 @@ _PROMPT_LOGITS_ROWS = 1024  # prompt positions scored per logits matrix, which b
 class ModelRunner:
     """Owns the model, its KV cache tensors, and the seeded generators of running requests."""
 
-    def __init__(self, model_config: ModelConfig, llama_config: LlamaConfig, source: ModelSource):
+    def __init__(self, model_config: ModelConfig, decoder_config: DecoderConfig, source: ModelSource):
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         self.num_threads = configure_core_threads(model_config.num_threads)
-        self.native = (
-            model_config.native_kernels
-            and self.device.type == "cpu"
-            and self.dtype == torch.float32
-            and native.load_library() is not None
+        self.config = decoder_config
+        model_cls = model_class(decoder_config.architecture)
+        self.plan = ExecutionPlan.decide(
+            model_config, self.device, self.dtype, decoder_config.architecture, model_cls.fused_decode_layer
         )
-        self.config = llama_config
-        quantization = model_config.quantization
-        if quantization != "none" and not self.native:
-            raise ValueError(
-                f"quantization={quantization!r} needs the CPU, float32 and the C kernels (native_kernels)."
-            )
+        self.native = self.plan.decode_attention == "paged_attention.c"
+        for line in self.plan.describe():
+            logger.info("%s", line)
         torch.manual_seed(model_config.seed)
         with torch.device("meta"):
-            model = LlamaForCausalLM(llama_config, stored=self.native)
+            model = model_cls(decoder_config, stored=self.plan.stored_weights)
         model = model.to_empty(device=self.device).to(self.dtype)
-        model.rotary.compute_tables()
-        model.load_weights(iter_weights(source, stored=self.native))
-        model.prepare_kernels(quantization)
+        for rotary in model.rotary_embeddings():
+            rotary.compute_tables()
+        model.load_weights(iter_weights(source, stored=self.plan.stored_weights))
+        model.prepare_kernels(self.plan)
         self.model = model.eval()
         self.kv_caches: list[KVCache] = []
         self.block_size = 0

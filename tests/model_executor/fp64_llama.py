@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.model_executor.layers.stored_weight import StoredTensor
+from llmserve.model_executor.models.decoder_config import DecoderConfig
 from llmserve.model_executor.models.llama import KVCache
-from llmserve.model_executor.models.llama_config import LlamaConfig
 from tests.model_executor.stored_weights import Q, reference
 
 Weights = list[tuple[str, torch.Tensor | StoredTensor]]
@@ -47,7 +47,7 @@ class Fp64Llama:
     code under test but the weights' values. RoPE pairs dimension i of a head with i + head_dim/2
     (rotate-half), the order of Hugging Face checkpoints, in which the loader also puts GGUF's q/k rows."""
 
-    def __init__(self, config: LlamaConfig, weights: Weights) -> None:
+    def __init__(self, config: DecoderConfig, weights: Weights) -> None:
         self.c = config
         self.w = {name: fp64_values(tensor) for name, tensor in weights}
         exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim

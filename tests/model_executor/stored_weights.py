@@ -11,6 +11,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from llmserve.config import ModelConfig
+from llmserve.model_executor.execution_plan import ExecutionPlan
 from llmserve.model_executor.layers.stored_weight import StoredTensor
 from llmserve.model_executor.loader import resolve_model
 from llmserve.model_executor.loader.gguf_file import (
@@ -109,3 +111,14 @@ def real_stored_tensor(model: str, name: str, qtype: Q, rows: int = 37) -> Store
     raw = np.ascontiguousarray(tensor_bytes(data, info)[picked])  # reads only these rows
     assert raw.any(), "real blocks are not all zero"
     return StoredTensor(int(qtype), torch.from_numpy(raw), info.shape[1])
+
+
+def cpu_plan(
+    quantization: str = "none", stored: bool = True, fused_decode_layer: bool = True
+) -> ExecutionPlan:
+    """The plan the model runner makes on this CPU in fp32: stored weights through our kernels, or with
+    `stored=False` dense ones (as without the C kernels)."""
+    config = ModelConfig(quantization=quantization, native_kernels=stored)  # type: ignore[arg-type]
+    return ExecutionPlan.decide(
+        config, torch.device("cpu"), torch.float32, "LlamaForCausalLM", fused_decode_layer
+    )

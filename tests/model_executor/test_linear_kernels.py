@@ -11,10 +11,12 @@ import torch.nn.functional as F
 
 from llmserve.model_executor.cpu_threads import core_thread_count
 from llmserve.model_executor.kernels import native
-from llmserve.model_executor.layers.linear import BLOCK_ROWS, Linear, OneDNNKernel, StoredKernel
+from llmserve.model_executor.layers.linear import Linear, OneDNNKernel, StoredKernel
 from llmserve.model_executor.layers.stored_weight import StoredTensor, StoredWeight
 from llmserve.model_executor.quantization import requantize
-from tests.model_executor.stored_weights import Q, random_stored_tensor
+from tests.model_executor.stored_weights import Q, cpu_plan, random_stored_tensor
+
+BLOCK_ROWS = native.BLOCK_GEMV_MAX_ROWS
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
@@ -26,7 +28,7 @@ def test_dense_fp32_is_onednn(rows: int, bias: bool) -> None:
         torch.nn.init.normal_(layer.bias)
     x = torch.randn(rows, 48)
     expected = F.linear(x, layer.weight, layer.bias)
-    layer.prepare()
+    layer.prepare(cpu_plan(stored=False))
     assert isinstance(layer.kernel, OneDNNKernel)
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
@@ -40,7 +42,7 @@ def test_stored_floats_keep_their_bytes(dtype: torch.dtype, rows: int) -> None:
     assert layer.weight is None
     layer.parts[0] = StoredTensor.from_dense(weight)
     layer.bias = torch.nn.Parameter(bias)
-    layer.prepare()
+    layer.prepare(cpu_plan())
     assert isinstance(layer.kernel, StoredKernel)
     assert layer.kernel.weight.nbytes == weight.numel() * dtype.itemsize
     x = torch.randn(rows, 64)
@@ -52,7 +54,7 @@ def test_fp16_quantization_is_f_linear_on_fp16_rounded_weights() -> None:
     [part] = requantize([StoredTensor.from_dense(weight)], "fp16", "w")
     layer = Linear(64, 96, False, stored=True)
     layer.parts[0] = part
-    layer.prepare()
+    layer.prepare(cpu_plan())
     x = torch.randn(5, 64)
     torch.testing.assert_close(layer(x), F.linear(x, weight.half().float()), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(layer(x), F.linear(x, weight), rtol=0, atol=1e-7)
@@ -78,9 +80,9 @@ def test_int8_activations_multiply_the_rounded_rows_at_every_batch_size(
     """Past BLOCK_ROWS: int8_gemm.c where the build and CPU have it, else weight_gemm.c on rounded rows."""
     monkeypatch.setenv("LLMSERVE_CPU_ISA", isa)
     parts = [random_stored_tensor(Q.Q6_K, 40, 512), random_stored_tensor(Q.Q5_0, 24, 512, seed=1)]
-    kernel = StoredKernel(StoredWeight(parts, None), int8_activations=True)
+    kernel = StoredKernel(StoredWeight(parts, None), cpu_plan("int8"))
     vnni = isa == "avx512" and "avx512_vnni" in native.cpu_flags()
-    assert kernel.many_rows_as_integers == vnni
+    assert kernel.plan.int8_gemm == vnni
     values = torch.cat([p.dequantize() for p in parts])
     x = torch.randn(rows, 512)
     expected = (native.round_rows(x).double() @ values.double().T).float()

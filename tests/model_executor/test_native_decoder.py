@@ -17,21 +17,22 @@ import torch
 
 from llmserve.model_executor.attention import AttentionMetadata, PrefillChunk
 from llmserve.model_executor.kernels import native
-from llmserve.model_executor.layers.linear import BLOCK_ROWS, StoredKernel
 from llmserve.model_executor.layers.stored_weight import StoredTensor
-from llmserve.model_executor.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
-from llmserve.model_executor.models.llama_config import LlamaConfig
+from llmserve.model_executor.models.decoder_config import DecoderConfig
+from llmserve.model_executor.models.llama import KVCache, LlamaForCausalLM
 from llmserve.model_executor.models.native_decoder import NativeDecoder
 from tests.model_executor.fp64_llama import Fp64Llama, Weights
-from tests.model_executor.stored_weights import K_TYPES, Q, random_stored_tensor
+from tests.model_executor.stored_weights import K_TYPES, Q, cpu_plan, random_stored_tensor
+
+BLOCK_ROWS = native.BLOCK_GEMV_MAX_ROWS
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 200
 # Checkpoint shard → GGML type, for a model stored in mixed types as a Q4_K_M file is.
 MIXED = {"v_proj": Q.Q6_K, "down_proj": Q.Q6_K, "q_proj": Q.Q4_K, "lm_head": Q.Q6_K}
 
 
-def tiny_config(attention_bias: bool, tied: bool = True) -> LlamaConfig:
-    return LlamaConfig(
+def tiny_config(attention_bias: bool, tied: bool = True) -> DecoderConfig:
+    return DecoderConfig(
         architecture="Qwen2ForCausalLM" if attention_bias else "LlamaForCausalLM",
         vocab_size=96,
         hidden_size=256,  # whole K super-blocks
@@ -48,7 +49,7 @@ def tiny_config(attention_bias: bool, tied: bool = True) -> LlamaConfig:
     )
 
 
-def checkpoint(config: LlamaConfig) -> dict[str, torch.Tensor]:
+def checkpoint(config: DecoderConfig) -> dict[str, torch.Tensor]:
     """Random weights under Hugging Face's names."""
     torch.manual_seed(0)
     c = config
@@ -77,7 +78,7 @@ def checkpoint(config: LlamaConfig) -> dict[str, torch.Tensor]:
     return weights
 
 
-def stored_checkpoint(config: LlamaConfig, storage: str) -> Weights:
+def stored_checkpoint(config: DecoderConfig, storage: str) -> Weights:
     """The checkpoint with its 2-D weights stored as `storage` says: one GGML type's name for every one,
     "mixed" (`MIXED`, else Q4_K), or "dense" (as fp32 tensors, for a model without stored weights)."""
     weights: Weights = []
@@ -98,11 +99,12 @@ def stored_checkpoint(config: LlamaConfig, storage: str) -> Weights:
     return weights
 
 
-def load_model(config: LlamaConfig, weights: Weights, quantization: str = "none") -> LlamaForCausalLM:
+def load_model(config: DecoderConfig, weights: Weights, quantization: str = "none") -> LlamaForCausalLM:
     """The model over these weights, rounded as `quantization` asks, as the model runner does."""
-    model = LlamaForCausalLM(config, stored=any(isinstance(t, StoredTensor) for _, t in weights))
+    stored = any(isinstance(t, StoredTensor) for _, t in weights)
+    model = LlamaForCausalLM(config, stored=stored)
     model.load_weights(weights)
-    model.prepare_kernels(quantization)  # type: ignore[arg-type]
+    model.prepare_kernels(cpu_plan(quantization, stored))
     return model.eval()
 
 
@@ -315,21 +317,3 @@ def test_steps_with_a_prefill_keep_the_torch_path() -> None:
     meta = decode_metadata([1], tables[:1])
     meta.native_decode = False
     assert not decoder.accepts(meta)
-
-
-def test_only_a_model_stored_alike_by_every_projection_gets_one() -> None:
-    model = stored_model(False, "Q4_1")
-    assert NativeDecoder.applies_to(model)
-    assert NativeDecoder(model).spec.block_rows == 0  # fp32 activations: weight_gemm.c at every size
-    assert NativeDecoder(stored_model(False, "F32", "int4")).spec.block_rows == BLOCK_ROWS
-    layer = model.layers[1]
-    assert isinstance(layer, LlamaDecoderLayer)
-    layer.mlp.down_proj.kernel = lambda x: x  # one projection without a stored weight
-    assert not NativeDecoder.applies_to(model)
-    model = stored_model(False, "F32", "int8")
-    layer = model.layers[0]
-    assert isinstance(layer, LlamaDecoderLayer)
-    kernel = layer.mlp.down_proj.kernel
-    assert isinstance(kernel, StoredKernel)
-    kernel.int8_activations = False  # activations rounded in all projections but one
-    assert not NativeDecoder.applies_to(model)

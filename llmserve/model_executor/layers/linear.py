@@ -1,12 +1,11 @@
 """Linear layers: a dense weight for PyTorch, or the checkpoint's stored weight for our CPU kernels.
 
-- Stored (CPU, fp32 activations, our C kernels built): the weight stays as the checkpoint stores it
-  (`stored_weight.py`) and `kernels/weight_gemm.c` multiplies it in that format at every batch size.
-  `--quantization gguf` rounds the activations to int8 per block of 32, as llama.cpp does, and `int8|int4`
-  round the weights into Q8_0/Q4_1 blocks at load too (`quantization.py`); `fp16` keeps 2-byte weights.
-- Dense otherwise (GPUs, bf16/fp16 compute, no C compiler): `F.linear`, through oneDNN with the weight
-  pre-packed on the CPU, which PyTorch's default path (MKL sgemm) trails for the short, wide products of
-  decoding.
+Which one, and which kernel multiplies it, is the execution plan's decision (`execution_plan.py`).
+- Stored: the weight stays as the checkpoint stores it (`stored_weight.py`). `--quantization gguf`
+  rounds the activations to int8 per block of 32, as llama.cpp does, and `int8|int4` round the weights
+  into Q8_0/Q4_1 blocks at load too (`quantization.py`); `fp16` keeps 2-byte weights.
+- Dense: `F.linear`, through oneDNN with the weight pre-packed on the CPU in fp32, which PyTorch's
+  default path (MKL sgemm) trails for the short, wide products of decoding.
 """
 
 from __future__ import annotations
@@ -17,13 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.model_executor.execution_plan import ExecutionPlan, StoredProduct
 from llmserve.model_executor.kernels import native
 from llmserve.model_executor.layers.stored_weight import StoredTensor, StoredWeight
-
-# With int8 activations, decode steps of up to this many rows multiply the blocks as integers (block_q8.c);
-# larger ones round the activations the same way and go through weight_gemm.c. At 16 rows block_q8.c
-# still takes 0.4-0.9x weight_gemm.c's time on Zen 5 (Q5_0 0.9x, Q4_K 0.45x).
-BLOCK_ROWS = native.BLOCK_GEMV_MAX_ROWS
 
 
 class LinearKernel(Protocol):
@@ -48,13 +43,13 @@ class Linear(nn.Module):
     def stored(self) -> bool:
         return self.weight is None
 
-    def prepare(self, int8_activations: bool = False) -> None:
-        """After the weights are loaded: the stored weight's kernel, or oneDNN's for a dense fp32 one."""
+    def prepare(self, plan: ExecutionPlan) -> None:
+        """After the weights are loaded: the kernel the plan gives this weight."""
         if self.stored:
             parts = [part for part in self.parts if part is not None]
-            self.kernel = StoredKernel(StoredWeight(parts, self.bias), int8_activations)
+            self.kernel = StoredKernel(StoredWeight(parts, self.bias), plan)
         elif self.weight is not None:
-            self.kernel = dense_kernel(self.weight, self.bias)
+            self.kernel = dense_kernel(self.weight, self.bias, plan)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
@@ -63,11 +58,9 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def dense_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKernel | None:
-    """oneDNN's for an fp32 weight on the CPU, else None for `F.linear`."""
-    if weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        return OneDNNKernel(weight, bias)
-    return None
+def dense_kernel(weight: torch.Tensor, bias: torch.Tensor | None, plan: ExecutionPlan) -> LinearKernel | None:
+    """oneDNN's where the plan says so, else None for `F.linear`."""
+    return OneDNNKernel(weight, bias) if plan.dense_product() == "onednn" else None
 
 
 class OneDNNKernel:
@@ -80,21 +73,21 @@ class OneDNNKernel:
 
 
 class StoredKernel:
-    """With `int8_activations`, up to BLOCK_ROWS rows multiply the blocks as integers (`kernels/block_q8.c`),
-    more too where the CPU has AVX-512 VNNI (`int8_gemm.c`), else they are rounded the same way first:
-    every batch size multiplies the same values."""
+    """A stored weight, multiplied by the kernel the plan gives each batch size."""
 
-    def __init__(self, weight: StoredWeight, int8_activations: bool = False) -> None:
+    def __init__(self, weight: StoredWeight, plan: ExecutionPlan) -> None:
         self.weight = weight
-        self.int8_activations = int8_activations
-        self.many_rows_as_integers = int8_activations and native.int8_gemm_available()
+        self.plan = plan
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.int8_activations:
+        if x.dim() != 2:
+            return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        product = self.plan.stored_product(x.shape[0])
+        if product is StoredProduct.WEIGHT_GEMM:
             return self.weight(x)
-        if x.dim() == 2 and x.shape[0] <= BLOCK_ROWS:
+        if product is StoredProduct.BLOCKS_AS_INTEGERS:
             return native.block_gemv(x, self.weight.native, self.weight.out_features)
-        if x.dim() == 2 and self.many_rows_as_integers:
+        if product is StoredProduct.INT8_GEMM:
             y = native.int8_gemm(x, self.weight.native, self.weight.out_features)
             if y is not None:
                 return y

@@ -13,7 +13,6 @@ import json
 import logging
 import re
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import torch
@@ -23,112 +22,40 @@ from safetensors import safe_open
 from llmserve.model_executor.kernels import native
 from llmserve.model_executor.layers.stored_weight import StoredTensor
 from llmserve.model_executor.loader.gguf_file import (
-    GGUFHeader,
     map_tensor_data,
     read_gguf_header,
     tensor_bytes,
 )
 from llmserve.model_executor.loader.model_source import ModelSource
-from llmserve.model_executor.models.llama_config import LlamaConfig
+from llmserve.model_executor.models.causal_lm import CausalLM
+from llmserve.model_executor.models.decoder_config import DecoderConfig
+from llmserve.model_executor.models.registry import GGUF_PERMUTED_QK, architecture_from_gguf, model_class
 
 logger = logging.getLogger(__name__)
-
-_GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
-# llama.cpp's converter interleaves the rows of q_proj and k_proj for these (see _unpermute_rows)
-_PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
 _GGUF_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
-_HF_NAME = re.compile(
-    r"model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight"
-    r"|model\.layers\.\d+\.(self_attn\.[qkvo]_proj\.(weight|bias)|mlp\.(gate|up|down)_proj\.weight"
-    r"|(input|post_attention)_layernorm\.weight)"
-)
 
-
-def load_model_config(source: ModelSource) -> LlamaConfig:
-    """The model's hyper-parameters; `ValueError` for an unreadable or unsupported checkpoint."""
+def load_model_config(source: ModelSource) -> DecoderConfig:
+    """The model's hyper-parameters, read by its architecture's config class; `ValueError` for an
+    unreadable checkpoint or an architecture the registry does not know."""
     if source.format == "hf":
         config_path = source.path / "config.json"
         try:
-            return LlamaConfig.from_hf_dict(json.loads(config_path.read_text()))
+            raw = json.loads(config_path.read_text())
+            archs = raw.get("architectures") or []
+            arch = archs[0] if archs else f"{str(raw.get('model_type', '?')).capitalize()}ForCausalLM"
+            return model_class(arch).config_class.from_hf_dict(raw)
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"Cannot read a model config from {config_path}: {e!r}") from e
-    return _gguf_config(read_gguf_header(source.path))
-
-
-def _gguf_config(header: GGUFHeader) -> LlamaConfig:
-    arch = header.architecture
-    if arch not in _GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"Unsupported architecture {arch!r} in {header.path}; "
-            f"llmserve reads GGUF files of {', '.join(_GGUF_ARCHITECTURES)}."
-        )
-    if "rope_freqs.weight" in header.tensors:
-        raise ValueError(f"{header.path} uses per-frequency rope factors (rope_freqs), not supported yet.")
-    meta = header.metadata
-
-    def get(key: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ValueError(f"{header.path} lacks the metadata key {arch}.{key!r}.")
-        return value
-
-    hidden = int(get("embedding_length"))
-    num_heads = int(get("attention.head_count"))
-    head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
-    vocab_size = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
-    if not vocab_size:
-        raise ValueError(f"{header.path} states no vocabulary size and has no tokenizer.ggml.tokens.")
-    return LlamaConfig(
-        architecture=_GGUF_ARCHITECTURES[arch],
-        vocab_size=int(vocab_size),
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_hidden_layers=int(get("block_count")),
-        num_attention_heads=num_heads,
-        num_key_value_heads=int(get("attention.head_count_kv", num_heads)),
-        head_dim=int(head_dim or hidden // num_heads),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(get("context_length", 2048)),
-        tie_word_embeddings="output.weight" not in header.tensors,
-        attention_bias="blk.0.attn_q.bias" in header.tensors,
-        rope_scaling=_gguf_rope_scaling(meta, arch),
-    )
-
-
-def _gguf_rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
-    """llama.cpp's rope scaling keys, spelled as HF's `rope_scaling` dict."""
-    rope_type = meta.get(f"{arch}.rope.scaling.type")
-    if rope_type in (None, "none"):
-        return None
-    factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0))
-    scaling: dict[str, Any] = {"rope_type": rope_type, "factor": factor}
-    original = meta.get(f"{arch}.rope.scaling.original_context_length")
-    if original:
-        scaling["original_max_position_embeddings"] = int(original)
-    return scaling
+    header = read_gguf_header(source.path)
+    arch = architecture_from_gguf(header.architecture, header.path)
+    return model_class(arch).config_class.from_gguf(header, arch)
 
 
 Weights = Iterator[tuple[str, "torch.Tensor | StoredTensor"]]
@@ -150,8 +77,6 @@ def _iter_safetensors(source: ModelSource, stored: bool) -> Weights:
             for name in names:
                 if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                     continue  # a buffer the model recomputes, or a copy of the embedding
-                if not _HF_NAME.fullmatch(name):
-                    raise ValueError(f"Unexpected tensor {name!r} in {file}.")
                 tensor = f.get_tensor(name)
                 if stored and tensor.dim() == 2:
                     is_float = tensor.dtype in (torch.float32, torch.float16, torch.bfloat16)
@@ -162,12 +87,14 @@ def _iter_safetensors(source: ModelSource, stored: bool) -> Weights:
 
 def _iter_gguf(source: ModelSource, stored: bool) -> Weights:
     header = read_gguf_header(source.path)
-    config = _gguf_config(header)
-    permuted = header.architecture in _PERMUTED_ARCHITECTURES
+    architecture = architecture_from_gguf(header.architecture, header.path)
+    model = model_class(architecture)
+    config = model.config_class.from_gguf(header, architecture)
+    permuted = header.architecture in GGUF_PERMUTED_QK
     data = map_tensor_data(source.path)
     reordered = 0
     for gguf_name, info in header.tensors.items():
-        name = _hf_name(gguf_name, source)
+        name = _hf_name(gguf_name, source, model)
         raw = tensor_bytes(data, info)
         if stored and len(info.shape) == 2 and native.row_bytes(int(info.qtype), info.shape[1]) > 0:
             tensor: torch.Tensor = torch.from_numpy(raw)  # the mapped file itself
@@ -177,7 +104,7 @@ def _iter_gguf(source: ModelSource, stored: bool) -> Weights:
             except NotImplementedError as e:
                 raise ValueError(f"Tensor {gguf_name!r} in {source.path}: {e}") from e
             # F32 comes back as a view of the file; the model's copy must not write through to it.
-            tensor = torch.from_numpy(np.array(array, dtype=np.float32))
+            tensor = model.gguf_tensor(name, torch.from_numpy(np.array(array, dtype=np.float32)))
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
             heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
             tensor = _unpermute_rows(tensor, heads)  # a copy, in HF's row order
@@ -194,14 +121,14 @@ def _iter_gguf(source: ModelSource, stored: bool) -> Weights:
         )
 
 
-def _hf_name(gguf_name: str, source: ModelSource) -> str:
+def _hf_name(gguf_name: str, source: ModelSource, model: type[CausalLM]) -> str:
     if gguf_name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[gguf_name]
     match = _GGUF_LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _GGUF_LAYER_NAMES:
+    if match is None or match.group(2) not in model.gguf_layer_names:
         raise ValueError(f"Unexpected tensor {gguf_name!r} in {source.path}.")
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{model.gguf_layer_names[part]}.{kind}"
 
 
 def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:

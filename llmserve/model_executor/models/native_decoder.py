@@ -1,9 +1,10 @@
 """Decode steps of a Llama through `kernels/decoder_step.c`: every layer in one C call.
 
-Taken when the model keeps stored weights (the CPU in fp32 with our kernels) and the step holds decodes
-only. At a few rows the projections are ~half the step and the ~1,500 PyTorch calls of the layers were
-the other half; at 64 rows those calls, with their tensors larger than the caches, took ~15% of it.
-Steps with a prefill keep the PyTorch path, which computes the same thing with the same kernels.
+Taken where the execution plan says so (a Llama-family layer, stored weights: the CPU in fp32 with our
+kernels) and the step holds decodes only. At a few rows the projections are ~half the step and the
+~1,500 PyTorch calls of the layers were the other half; at 64 rows those calls, with their tensors
+larger than the caches, took ~15% of it. Steps with a prefill keep the PyTorch path, which computes
+the same thing with the same kernels.
 """
 
 from __future__ import annotations
@@ -14,16 +15,12 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from llmserve.model_executor.attention import AttentionMetadata
+from llmserve.model_executor.execution_plan import ExecutionPlan
 from llmserve.model_executor.kernels import native
-from llmserve.model_executor.layers.linear import BLOCK_ROWS, Linear, StoredKernel
+from llmserve.model_executor.layers.linear import Linear, StoredKernel
 
 if TYPE_CHECKING:
     from llmserve.model_executor.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
-
-
-def _kernels(model: LlamaForCausalLM) -> list[StoredKernel]:
-    decoder = [m for layer in model.layers for m in layer.modules() if isinstance(m, Linear)]
-    return [m.kernel for m in decoder if isinstance(m.kernel, StoredKernel)]
 
 
 def _weight(linear: Linear) -> native.Weight:
@@ -32,7 +29,7 @@ def _weight(linear: Linear) -> native.Weight:
 
 
 class NativeDecoder:
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: LlamaForCausalLM, plan: ExecutionPlan) -> None:
         c = model.config
         self.model = model  # keeps the tensors behind the spec's addresses alive
         self.layers = (native.LayerSpec * c.num_hidden_layers)()
@@ -44,8 +41,6 @@ class NativeDecoder:
             spec.o = _weight(layer.self_attn.o_proj)
             spec.gate_up = _weight(layer.mlp.gate_up_proj)
             spec.down = _weight(layer.mlp.down_proj)
-        kernels = _kernels(model)
-        int8_activations = any(k.int8_activations for k in kernels)  # then all are GGUF blocks
         self.spec = native.DecoderSpec(
             num_layers=c.num_hidden_layers,
             hidden=c.hidden_size,
@@ -53,8 +48,8 @@ class NativeDecoder:
             num_kv_heads=c.num_key_value_heads,
             head_dim=c.head_dim,
             intermediate=c.intermediate_size,
-            int8_activations=int8_activations,
-            block_rows=BLOCK_ROWS if int8_activations else 0,
+            int8_activations=plan.int8_activations,
+            block_rows=plan.block_rows,
             eps=c.rms_norm_eps,
             scale=c.head_dim**-0.5,
             layers=ctypes.cast(self.layers, ctypes.POINTER(native.LayerSpec)),
@@ -63,18 +58,6 @@ class NativeDecoder:
             final_norm=model.norm.weight.data_ptr(),
         )
         self.kv_caches: list[KVCache] | None = None
-
-    @staticmethod
-    def applies_to(model: LlamaForCausalLM) -> bool:
-        """Every projection keeps a stored weight (so the library is loaded), all with the same
-        activations, and the model computes in fp32."""
-        kernels = _kernels(model)
-        linears = sum(isinstance(m, Linear) for layer in model.layers for m in layer.modules())
-        return (
-            len(kernels) == linears > 0
-            and len({k.int8_activations for k in kernels}) == 1
-            and model.norm.weight.dtype == torch.float32
-        )
 
     @staticmethod
     def accepts(meta: AttentionMetadata) -> bool:

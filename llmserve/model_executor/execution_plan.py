@@ -1,0 +1,132 @@
+"""Which kernel runs each part of the forward pass, decided once at load and printed at start-up.
+
+Model code never asks "is the C library loaded, is the batch small, is this a block weight": it asks
+the plan. The rules, each with the reason it exists:
+
+- Projections keep the checkpoint's stored weights (GGUF blocks, fp16/bf16) and go through our C
+  kernels on the CPU in fp32 when the library built; elsewhere (GPUs, bf16 compute, no compiler) they
+  hold a dense weight for PyTorch, through oneDNN's pre-packed path on the CPU in fp32.
+- With int8 activations (`--quantization gguf|int8|int4`), a product of up to `block_rows` rows
+  multiplies the blocks as integers (`block_q8.c`); more rows too where the CPU has AVX-512 VNNI
+  (`int8_gemm.c`), else they round their activations the same way and take `weight_gemm.c`. Every
+  batch size multiplies the same values.
+- Decode attention reads the paged cache in place in C (`paged_attention.c`) wherever the library
+  built and computes in fp32; else PyTorch gathers the blocks.
+- A decode-only step runs every layer in one C call (`decoder_step.c`) when the architecture's layer
+  is the one that kernel computes and every projection keeps a stored weight.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.config import ModelConfig, Quantization
+from llmserve.model_executor.kernels import native
+
+
+class StoredProduct(enum.Enum):
+    """How a projection with a stored weight multiplies a batch."""
+
+    BLOCKS_AS_INTEGERS = "block_q8.c"
+    INT8_GEMM = "int8_gemm.c"
+    ROUNDED_THEN_WEIGHT_GEMM = "weight_gemm.c (int8-rounded activations)"
+    WEIGHT_GEMM = "weight_gemm.c"
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    device: torch.device
+    dtype: torch.dtype
+    stored_weights: bool  # projections keep the checkpoint's format, for our C kernels
+    quantization: Quantization
+    int8_activations: bool
+    block_rows: int  # with int8 activations, products of up to this many rows read the blocks
+    int8_gemm: bool  # with int8 activations, larger products take int8_gemm.c (AVX-512 VNNI)
+    decode_attention: str  # "paged_attention.c" | "torch"
+    fused_decode: bool  # decode-only steps through decoder_step.c
+    reasons: tuple[str, ...]  # one line per decision that was not the fast path, for the log
+
+    @classmethod
+    def decide(
+        cls,
+        model_config: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        architecture: str,
+        fused_decode_layer: bool,
+    ) -> ExecutionPlan:
+        """`fused_decode_layer`: the architecture's layer is the one `decoder_step.c` computes."""
+        reasons: list[str] = []
+        library = native.load_library() is not None if model_config.native_kernels else False
+        if not model_config.native_kernels:
+            reasons.append("C kernels off (native_kernels=False)")
+        elif not library:
+            reasons.append("C kernels unavailable (no compiler, or the build failed)")
+        if device.type != "cpu":
+            reasons.append(f"device {device.type}: PyTorch kernels")
+        if dtype != torch.float32:
+            reasons.append(f"dtype {str(dtype).removeprefix('torch.')}: PyTorch kernels (ours compute fp32)")
+        native_path = library and device.type == "cpu" and dtype == torch.float32
+        quantization = model_config.quantization
+        if quantization != "none" and not native_path:
+            raise ValueError(
+                f"quantization={quantization!r} needs the CPU, float32 and the C kernels (native_kernels)."
+            )
+        int8_activations = quantization in ("gguf", "int8", "int4")
+        fused = native_path and fused_decode_layer
+        if native_path and not fused_decode_layer:
+            reasons.append(f"{architecture}: no fused decode step for this layer; decodes run op by op")
+        return cls(
+            device=device,
+            dtype=dtype,
+            stored_weights=native_path,
+            quantization=quantization,
+            int8_activations=int8_activations,
+            block_rows=native.BLOCK_GEMV_MAX_ROWS if int8_activations else 0,
+            int8_gemm=int8_activations and native_path and native.int8_gemm_available(),
+            decode_attention="paged_attention.c" if native_path else "torch",
+            fused_decode=fused,
+            reasons=tuple(reasons),
+        )
+
+    def stored_product(self, rows: int) -> StoredProduct:
+        """The kernel a stored weight multiplies `rows` rows with."""
+        if not self.int8_activations:
+            return StoredProduct.WEIGHT_GEMM
+        if rows <= self.block_rows:
+            return StoredProduct.BLOCKS_AS_INTEGERS
+        if self.int8_gemm:
+            return StoredProduct.INT8_GEMM
+        return StoredProduct.ROUNDED_THEN_WEIGHT_GEMM
+
+    def dense_product(self) -> str:
+        """The kernel a dense weight multiplies with: oneDNN for fp32 on the CPU, else `F.linear`."""
+        onednn = (
+            self.device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+        )
+        return "onednn" if onednn else "torch"
+
+    def describe(self) -> list[str]:
+        """A few lines for the start-up log."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.stored_weights:
+            products = "stored weights in the checkpoint's format"
+            if self.int8_activations:
+                many = self.stored_product(self.block_rows + 1).value
+                products += f", int8 activations: <= {self.block_rows} rows block_q8.c, more {many}"
+            else:
+                products += ", weight_gemm.c at every batch size"
+        else:
+            products = f"dense {dtype} weights through {self.dense_product()}"
+        lines = [
+            f"Execution plan ({self.device.type}, {dtype}):",
+            f"  projections: {products}",
+            f"  decode attention: {self.decode_attention}; prefill attention: torch SDPA",
+            "  decode-only steps: "
+            + ("every layer in one decoder_step.c call" if self.fused_decode else "op by op"),
+        ]
+        lines += [f"  because: {reason}" for reason in self.reasons]
+        return lines

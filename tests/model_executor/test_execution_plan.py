@@ -1,0 +1,90 @@
+"""The execution plan's rules, one test each: what runs where, decided once at load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve.config import ModelConfig
+from llmserve.model_executor.execution_plan import ExecutionPlan, StoredProduct
+from llmserve.model_executor.kernels import native
+from llmserve.model_executor.models.registry import model_class, supported_architectures
+
+CPU, FP32 = torch.device("cpu"), torch.float32
+
+
+def plan(
+    quantization: str = "none",
+    native_kernels: bool = True,
+    device: torch.device = CPU,
+    dtype: torch.dtype = FP32,
+    fused_decode_layer: bool = True,
+) -> ExecutionPlan:
+    config = ModelConfig(quantization=quantization, native_kernels=native_kernels)  # type: ignore[arg-type]
+    return ExecutionPlan.decide(config, device, dtype, "LlamaForCausalLM", fused_decode_layer)
+
+
+def test_cpu_fp32_with_the_library_keeps_stored_weights_and_runs_our_kernels() -> None:
+    p = plan()
+    assert native.load_library() is not None
+    assert p.stored_weights and p.decode_attention == "paged_attention.c" and p.fused_decode
+    assert p.reasons == ()
+
+
+def test_fp32_activations_take_weight_gemm_at_every_batch_size() -> None:
+    p = plan()
+    assert {p.stored_product(rows) for rows in (1, 16, 17, 512)} == {StoredProduct.WEIGHT_GEMM}
+
+
+@pytest.mark.parametrize("quantization", ["gguf", "int8", "int4"])
+def test_int8_activations_at_small_batches_take_the_block_kernel(quantization: str) -> None:
+    p = plan(quantization)
+    assert p.block_rows == native.BLOCK_GEMV_MAX_ROWS
+    assert p.stored_product(1) is StoredProduct.BLOCKS_AS_INTEGERS
+    assert p.stored_product(p.block_rows) is StoredProduct.BLOCKS_AS_INTEGERS
+
+
+def test_int8_activations_at_large_batches_take_int8_gemm_only_with_vnni() -> None:
+    p = plan("int8")
+    many = p.stored_product(p.block_rows + 1)
+    if native.int8_gemm_available():
+        assert p.int8_gemm and many is StoredProduct.INT8_GEMM
+    else:
+        assert not p.int8_gemm and many is StoredProduct.ROUNDED_THEN_WEIGHT_GEMM
+
+
+def test_without_our_kernels_weights_are_dense_through_onednn_and_torch_attention() -> None:
+    p = plan(native_kernels=False)
+    assert not p.stored_weights and not p.fused_decode
+    assert p.decode_attention == "torch" and p.dense_product() == "onednn"
+    assert any("native_kernels=False" in reason for reason in p.reasons)
+
+
+def test_bf16_compute_takes_pytorch_everywhere() -> None:
+    p = plan(dtype=torch.bfloat16)
+    assert not p.stored_weights and p.decode_attention == "torch" and p.dense_product() == "torch"
+    assert any("bfloat16" in reason for reason in p.reasons)
+
+
+def test_an_architecture_without_the_fused_layer_decodes_op_by_op_with_stored_weights() -> None:
+    p = plan(fused_decode_layer=False)
+    assert p.stored_weights and p.decode_attention == "paged_attention.c" and not p.fused_decode
+    assert any("op by op" in reason for reason in p.reasons)
+
+
+def test_quantization_without_our_kernels_is_refused() -> None:
+    with pytest.raises(ValueError, match="quantization='int8' needs the CPU"):
+        plan("int8", native_kernels=False)
+
+
+def test_the_plan_prints_in_a_few_lines() -> None:
+    lines = plan("gguf").describe()
+    assert 3 <= len(lines) <= 8
+    assert "block_q8.c" in lines[1] and "decoder_step.c" in lines[3]
+
+
+def test_the_registry_names_one_class_per_architecture_and_refuses_others() -> None:
+    assert model_class("MistralForCausalLM") is model_class("LlamaForCausalLM")
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel'.*LlamaForCausalLM"):
+        model_class("GPT2LMHeadModel")
+    assert "Qwen2ForCausalLM" in supported_architectures()
