@@ -50,7 +50,10 @@ class EngineCore:
         self.model_runner.initialize_kv_cache(num_blocks, block_size)
         _log_memory(self.model_runner, self.limits, num_blocks * block_bytes)
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, block_size, config.cache_config.enable_prefix_caching
+            num_blocks,
+            block_size,
+            config.cache_config.enable_prefix_caching,
+            sliding_window=self.model_runner.config.cache_window,
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.limits.max_model_len)
         self.structured_output_manager = StructuredOutputManager(

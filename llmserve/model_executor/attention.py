@@ -8,6 +8,11 @@ blocks in place, else by PyTorch over gathered blocks. Prefill chunks go one seq
 The cache is head-major, `[kv_heads, num_blocks, block_size, head_dim]`, so that gathering a batch's
 blocks yields `[kv_heads, batch, tokens, head_dim]` directly: one copy, and the matrix products read
 it as it lies; the C kernel reads one head's block as 16 contiguous rows.
+
+A layer with a sliding window W lets the query at position p see the keys at (p - W, p] (Hugging Face's
+convention: W keys, its own included). Every path then starts at the block holding p - W + 1 and never
+reads one before it: behind the window the KV cache manager frees blocks, which another request may
+take and overwrite, and leaves a placeholder id in their place.
 """
 
 from __future__ import annotations
@@ -59,62 +64,104 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
+    """Writes this step's K and V to the cache, then attends each query to its sequence's keys up to its
+    own position, or to the last `sliding_window` of them."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {sliding_window}.")
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     if meta.num_decodes:
         n = meta.num_decodes
         if meta.native_decode:
             out[:n] = native.paged_decode_attention(
-                q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+                q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, sliding_window
             )
         else:
-            out[:n] = _decode_attention(q[:n], k_cache, v_cache, meta, scale)
+            out[:n] = _decode_attention(q[:n], k_cache, v_cache, meta, scale, sliding_window)
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
         if chunk.context_len == 0:
-            out[rows] = _prefill(q[rows], k[rows].transpose(0, 1), v[rows].transpose(0, 1), None, scale)
+            mask = None  # causal, which is the window too while the chunk is no longer than it
+            if sliding_window is not None and chunk.query_len > sliding_window:
+                positions = torch.arange(chunk.query_len, device=q.device)
+                mask = _visible(positions, positions, sliding_window)
+            out[rows] = _prefill(q[rows], k[rows].transpose(0, 1), v[rows].transpose(0, 1), mask, scale)
         else:
-            out[rows] = _prefill_with_context(q[rows], k_cache, v_cache, chunk, scale)
+            out[rows] = _prefill_with_context(q[rows], k_cache, v_cache, chunk, scale, sliding_window)
     return out
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """Block ids [..., num_blocks] → the cached tokens [kv_heads, ..., length, head_dim]."""
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """Block ids [..., num_blocks] → their tokens [kv_heads, ..., num_blocks * block_size, head_dim]."""
     blocks = cache[:, block_table]  # [kv_heads, ..., num_blocks, block_size, head_dim]
-    return blocks.flatten(-3, -2)[..., :length, :]
+    return blocks.flatten(-3, -2)
+
+
+def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[q_len, kv_len]: whether each query sees each key (causal, and within the window if any)."""
+    seen = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        seen &= key_pos[None, :] > query_pos[:, None] - window
+    return seen
 
 
 def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
 ) -> torch.Tensor:
-    """q [batch, heads, head_dim] → [batch, heads, head_dim], one query per sequence."""
+    """q [batch, heads, head_dim] → [batch, heads, head_dim], one query per sequence: each row reads
+    `count` blocks of its table from its `first`, masking the keys outside its window or past its length."""
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[0]
-    length = meta.decode_max_len
-    tables = meta.decode_block_tables[:, : -(-length // k_cache.shape[2])]  # the blocks in use
-    keys = _gather(k_cache, tables, length)  # [kv_heads, batch, L, head_dim]
-    values = _gather(v_cache, tables, length)
+    num_kv_heads, _, block_size, _ = k_cache.shape
+    lens, tables = meta.decode_seq_lens, meta.decode_block_tables
+    count = -(-meta.decode_max_len // block_size)
+    first = torch.zeros_like(lens)
+    if window is not None:
+        # (p - W, p] spans at most this many blocks, wherever it starts in one.
+        count = min(count, -(-(window - 1) // block_size) + 1)
+        first = (lens - window).clamp(min=0) // block_size
+    # Past a short row's table the ids are clamped to its (valid) padding; those keys are masked.
+    ids = (first[:, None] + torch.arange(count, device=q.device)).clamp(max=tables.shape[1] - 1)
+    row_tables = tables.gather(1, ids)  # [batch, count]
+    keys = _gather(k_cache, row_tables)  # [kv_heads, batch, L, head_dim]
+    values = _gather(v_cache, row_tables)
     # The query heads that share a KV head become rows of one matrix product per (kv head, sequence).
     grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
     scores = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scale)  # [kv_heads, batch, group, L]
-    positions = torch.arange(length, device=q.device)
-    padding = positions[None, :] >= meta.decode_seq_lens[:, None]  # [batch, L]
-    scores.masked_fill_(padding[None, :, None, :], float("-inf"))
+    key_pos = first[:, None] * block_size + torch.arange(count * block_size, device=q.device)  # [batch, L]
+    hidden = key_pos >= lens[:, None]
+    if window is not None:
+        hidden |= key_pos < (lens - window)[:, None]
+    scores.masked_fill_(hidden[None, :, None, :], float("-inf"))
     out = torch.matmul(scores.softmax(dim=-1), values)  # [kv_heads, batch, group, head_dim]
     return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
 
 
 def _prefill_with_context(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PrefillChunk, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunk: PrefillChunk,
+    scale: float,
+    window: int | None,
 ) -> torch.Tensor:
+    """The chunk's queries against its cached and new keys, from the block holding the first key its
+    first query sees."""
+    block_size = k_cache.shape[2]
     total = chunk.context_len + chunk.query_len
-    keys = _gather(k_cache, chunk.block_table, total)  # [kv_heads, total, head_dim]
-    values = _gather(v_cache, chunk.block_table, total)
+    start = 0 if window is None else max(0, chunk.context_len - window + 1) // block_size * block_size
+    table = chunk.block_table[start // block_size : -(-total // block_size)]
+    keys = _gather(k_cache, table)[:, : total - start]  # [kv_heads, total - start, head_dim]
+    values = _gather(v_cache, table)[:, : total - start]
     query_pos = torch.arange(chunk.context_len, total, device=q.device)
-    key_pos = torch.arange(total, device=q.device)
-    mask = key_pos[None, :] <= query_pos[:, None]  # [query_len, total]
-    return _prefill(q, keys, values, mask, scale)
+    key_pos = torch.arange(start, total, device=q.device)
+    return _prefill(q, keys, values, _visible(query_pos, key_pos, window), scale)
 
 
 def _prefill(

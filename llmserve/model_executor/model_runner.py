@@ -39,7 +39,11 @@ class ModelRunner:
         self.config = decoder_config
         model_cls = model_class(decoder_config.architecture)
         self.plan = ExecutionPlan.decide(
-            model_config, self.device, self.dtype, decoder_config.architecture, model_cls.fused_decode_layer
+            model_config,
+            self.device,
+            self.dtype,
+            decoder_config.architecture,
+            model_cls.fused_decode_layer(decoder_config),
         )
         self.native = self.plan.decode_attention == "paged_attention.c"
         for line in self.plan.describe():

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llmserve.model_executor.layers.decoder_layer import KVCache
 from llmserve.model_executor.layers.stored_weight import StoredTensor
 from llmserve.model_executor.models.decoder_config import DecoderConfig
-from llmserve.model_executor.models.llama import KVCache
 from tests.model_executor.stored_weights import Q, reference
 
 Weights = list[tuple[str, torch.Tensor | StoredTensor]]

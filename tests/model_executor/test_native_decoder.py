@@ -17,9 +17,10 @@ import torch
 
 from llmserve.model_executor.attention import AttentionMetadata, PrefillChunk
 from llmserve.model_executor.kernels import native
+from llmserve.model_executor.layers.decoder_layer import KVCache
 from llmserve.model_executor.layers.stored_weight import StoredTensor
 from llmserve.model_executor.models.decoder_config import DecoderConfig
-from llmserve.model_executor.models.llama import KVCache, LlamaForCausalLM
+from llmserve.model_executor.models.llama import LlamaForCausalLM
 from llmserve.model_executor.models.native_decoder import NativeDecoder
 from tests.model_executor.fp64_llama import Fp64Llama, Weights
 from tests.model_executor.stored_weights import K_TYPES, Q, cpu_plan, random_stored_tensor

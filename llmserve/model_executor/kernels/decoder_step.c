@@ -2,9 +2,11 @@
  *
  * At one to a few rows a layer's products take ~1/3 ms, but the same layer written as PyTorch ops is some
  * fifty calls of 2-17 us each: half of a single-stream step went to them. Here the whole stack runs in
- * one OpenMP parallel region, the threads meeting at a barrier after each projection: RMSNorm -> QKV ->
- * RoPE -> KV write -> paged attention -> o_proj + residual -> RMSNorm -> gate/up -> SiLU * up -> down +
- * residual, per layer, then the final RMSNorm.
+ * one OpenMP parallel region, the threads meeting at a barrier after each projection. It computes the
+ * layer of layers/decoder_layer.py from the same parts, the optional ones where the LayerSpec has them:
+ * RMSNorm -> QKV -> (q/k norms) -> RoPE -> KV write -> paged attention (within the layer's sliding
+ * window, if it has one) -> o_proj -> (norm) + residual -> RMSNorm -> gate/up -> act(gate) * up -> down
+ * -> (norm) + residual, per layer, then the final RMSNorm.
  *
  * Every projection multiplies its weight in the stored format (weight_gemm.c). With int8 activations
  * (`--quantization gguf|int8|int4`) steps of up to `block_rows` rows multiply the blocks as integers
@@ -21,7 +23,9 @@
 
 #include "kernels.h"
 
-static void rms_norm(const float *x, const float *weight, int64_t rows, int64_t n, float eps, float *out)
+/* out = (offset + weight) * x / rms(x) for each of `rows` rows of n; out may be x. */
+static void rms_norm(const float *x, const float *weight, float offset, int64_t rows, int64_t n, float eps,
+                     float *out)
 {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * n;
@@ -31,7 +35,7 @@ static void rms_norm(const float *x, const float *weight, int64_t rows, int64_t 
             sum += xr[i] * xr[i];
         const float inv = 1.0f / sqrtf(sum / (float)n + eps);
         for (int64_t i = 0; i < n; i++)
-            out[r * n + i] = weight[i] * (xr[i] * inv);
+            out[r * n + i] = (offset + weight[i]) * (xr[i] * inv);
     }
 }
 
@@ -57,6 +61,7 @@ typedef struct {
     float *normed;    /* [rows, max(hidden, q_size)]: the normed residual, then the attention output */
     float *wide;      /* [rows, max(qkv width, intermediate)]: the QKV, then the MLP's hidden */
     float *gate_up;   /* [rows, 2 intermediate] from weight_gemm.c */
+    float *out;       /* [rows, hidden]: a projection's output before its norm, where the layer has one */
     BlockInput input; /* whichever feeds the next projection, as the blocks read it */
     float *sums;      /* its int8 scales, then scale * sum(q) per block */
     int8_t *q;        /* its int8 rounding */
@@ -128,21 +133,25 @@ static void project(const Weight *p, const Step *t, int64_t out, float *y, int a
     }
 }
 
-static inline float silu(float x)
+/* SiLU (activation 0) or tanh GELU (1), as PyTorch computes them. */
+static inline float act(float x, int64_t activation)
 {
+    if (activation == 1)
+        return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
     return x / (1.0f + expf(-x));
 }
 
-/* h = SiLU(gate) * up for this thread's share of the intermediate features (gate and up read together
+/* h = act(gate) * up for this thread's share of the intermediate features (gate and up read together
  * from the blocks), or of the rows (after weight_gemm.c's product of both). */
-static void gate_up_silu(const Weight *p, const Step *t, int64_t inter, float *h)
+static void gate_up_act(const Weight *p, const Step *t, int64_t inter, int64_t activation, float *h)
 {
     if (!t->read_blocks) {
         product_share(p, t, 2 * inter, t->gate_up, 0);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < t->rows; r++)
             for (int64_t o = 0; o < inter; o++)
-                h[r * inter + o] = silu(t->gate_up[r * 2 * inter + o]) * t->gate_up[r * 2 * inter + inter + o];
+                h[r * inter + o] =
+                    act(t->gate_up[r * 2 * inter + o], activation) * t->gate_up[r * 2 * inter + inter + o];
         return;
     }
     const BlockInput *x = &t->input;
@@ -156,12 +165,12 @@ static void gate_up_silu(const Weight *p, const Step *t, int64_t inter, float *h
         q8_dot_rows(x, gate_row, gate_type, gate);
         q8_dot_rows(x, up_row, up_type, up);
         for (int64_t r = 0; r < rows; r++)
-            h[r * inter + o] = silu(gate[r]) * up[r];
+            h[r * inter + o] = act(gate[r], activation) * up[r];
     }
 }
 
-/* RoPE on this step's queries and keys, then its keys and values into their cache slots; rows split
- * between the threads. */
+/* The q/k norms (where the layer has them) and RoPE on this step's queries and keys, then its keys and
+ * values into their cache slots; rows split between the threads. */
 static void rope_and_store(const DecoderSpec *s, const LayerSpec *layer, float *qkv, int64_t rows,
                            const int64_t *positions, const int64_t *slots)
 {
@@ -171,7 +180,11 @@ static void rope_and_store(const DecoderSpec *s, const LayerSpec *layer, float *
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         float *q = qkv + r * width, *k = q + q_size, *v = k + kv_size;
-        const float *cos = s->rope_cos + positions[r] * half, *sin = s->rope_sin + positions[r] * half;
+        const float *cos = layer->rope_cos + positions[r] * half, *sin = layer->rope_sin + positions[r] * half;
+        if (layer->q_norm) {
+            rms_norm(q, layer->q_norm, s->norm_offset, s->num_heads, s->head_dim, s->eps, q);
+            rms_norm(k, layer->k_norm, s->norm_offset, s->num_kv_heads, s->head_dim, s->eps, k);
+        }
         rope(q, s->num_heads, s->head_dim, cos, sin);
         rope(k, s->num_kv_heads, s->head_dim, cos, sin);
         for (int64_t h = 0; h < s->num_kv_heads; h++) {
@@ -190,11 +203,29 @@ static int64_t max64(int64_t a, int64_t b)
 }
 
 /* RMSNorm of each row of x [rows, n] into out, rows split between the threads. */
-static void norm_rows(const float *x, const float *weight, int64_t rows, int64_t n, float eps, float *out)
+static void norm_rows(const DecoderSpec *s, const float *x, const float *weight, int64_t rows, int64_t n,
+                      float *out)
 {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++)
-        rms_norm(x + r * n, weight, 1, n, eps, out + r * n);
+        rms_norm(x + r * n, weight, s->norm_offset, 1, n, s->eps, out + r * n);
+}
+
+/* x += p's product of the step's input, or x += norm(that product) where the layer has `norm`. */
+static void project_into_residual(const DecoderSpec *s, const Weight *p, Step *t, const float *norm, float *x)
+{
+    if (!norm) {
+        project(p, t, s->hidden, x, 1);
+        return;
+    }
+    project(p, t, s->hidden, t->out, 0);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < t->rows; r++) {
+        float *out = t->out + r * s->hidden;
+        rms_norm(out, norm, s->norm_offset, 1, s->hidden, s->eps, out);
+        for (int64_t i = 0; i < s->hidden; i++)
+            x[r * s->hidden + i] += out[i];
+    }
 }
 
 /* One decoder layer; called by every thread of the parallel region. */
@@ -203,7 +234,7 @@ static void layer_step(const DecoderSpec *s, const LayerSpec *layer, Step *t, fl
     const int64_t hidden = s->hidden, inter = s->intermediate, rows = t->rows;
     const int64_t group = s->num_heads / s->num_kv_heads, q_size = s->num_heads * s->head_dim;
     const int64_t qkv_width = q_size + 2 * s->num_kv_heads * s->head_dim;
-    norm_rows(x, layer->input_norm, rows, hidden, s->eps, t->normed);
+    norm_rows(s, x, layer->input_norm, rows, hidden, t->normed);
     feed(s, t, t->normed, hidden);
     project(&layer->qkv, t, qkv_width, t->wide, 0);
     rope_and_store(s, layer, t->wide, rows, t->positions, t->slots);
@@ -212,17 +243,18 @@ static void layer_step(const DecoderSpec *s, const LayerSpec *layer, Step *t, fl
         for (int64_t h = 0; h < s->num_kv_heads; h++) {
             const int64_t head = h * group * s->head_dim;
             attend_one(t->wide + r * qkv_width + head, layer->k_cache, layer->v_cache,
-                       t->block_tables + r * t->max_blocks, t->seq_lens[r], t->normed + r * q_size + head,
-                       group, s->head_dim, s->block_size, h * s->num_blocks * s->block_size * s->head_dim,
-                       s->scale, t->scores + omp_get_thread_num() * group * t->max_len);
+                       t->block_tables + r * t->max_blocks, t->seq_lens[r], layer->sliding_window,
+                       t->normed + r * q_size + head, group, s->head_dim, s->block_size,
+                       h * s->num_blocks * s->block_size * s->head_dim, s->scale,
+                       t->scores + omp_get_thread_num() * group * t->max_len);
         }
     feed(s, t, t->normed, q_size);
-    project(&layer->o, t, hidden, x, 1);
-    norm_rows(x, layer->post_norm, rows, hidden, s->eps, t->normed);
+    project_into_residual(s, &layer->o, t, layer->attn_out_norm, x);
+    norm_rows(s, x, layer->post_norm, rows, hidden, t->normed);
     feed(s, t, t->normed, hidden);
-    gate_up_silu(&layer->gate_up, t, inter, t->wide);
+    gate_up_act(&layer->gate_up, t, inter, s->activation, t->wide);
     feed(s, t, t->wide, inter);
-    project(&layer->down, t, hidden, x, 1);
+    project_into_residual(s, &layer->down, t, layer->mlp_out_norm, x);
 }
 
 /* x: [rows, hidden], the embedded tokens, used as the residual stream (overwritten); out: [rows, hidden]
@@ -234,7 +266,7 @@ int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const
                  float *out, int num_threads)
 {
     const int read_blocks = s->int8_activations && rows <= s->block_rows;
-    if (rows < 1 || (read_blocks && rows > BLOCK_GEMV_MAX_ROWS) ||
+    if (rows < 1 || (read_blocks && rows > BLOCK_GEMV_MAX_ROWS) || (s->activation != 0 && s->activation != 1) ||
         ((read_blocks || s->int8_activations) && (s->hidden % QK || s->intermediate % QK)))
         return -1;
     if (!tables_in_bounds(block_tables, seq_lens, rows, max_blocks, s->num_blocks, s->block_size))
@@ -255,7 +287,8 @@ int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const
     t.normed = malloc(sizeof(float) * rows * narrow);
     t.wide = malloc(sizeof(float) * rows * wide);
     t.scores = malloc(sizeof(float) * num_threads * group * t.max_len);
-    int ready = t.normed && t.wide && t.scores;
+    t.out = malloc(sizeof(float) * rows * s->hidden);
+    int ready = t.normed && t.wide && t.scores && t.out;
     if (read_blocks) {
         t.sums = malloc(sizeof(float) * rows * widest / QK * 2);
         t.q = malloc((size_t)(rows * widest));
@@ -281,11 +314,12 @@ int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const
 #pragma omp parallel num_threads(num_threads)
         for (int64_t l = 0; l < s->num_layers; l++)
             layer_step(s, &s->layers[l], &t, x);
-        rms_norm(x, s->final_norm, rows, s->hidden, s->eps, out);
+        rms_norm(x, s->final_norm, s->norm_offset, rows, s->hidden, s->eps, out);
     }
     free(t.normed);
     free(t.wide);
     free(t.scores);
+    free(t.out);
     free(t.sums);
     free(t.q);
     free(t.gate_up);

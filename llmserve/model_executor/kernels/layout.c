@@ -18,13 +18,14 @@ int64_t struct_layout(const char *name)
 {
     SIZE(WeightPart) FIELD(WeightPart, data) FIELD(WeightPart, qtype) FIELD(WeightPart, rows)
     SIZE(Weight) FIELD(Weight, parts) FIELD(Weight, num_parts) FIELD(Weight, bias)
-    SIZE(LayerSpec) FIELD(LayerSpec, input_norm) FIELD(LayerSpec, post_norm) FIELD(LayerSpec, qkv)
+    SIZE(LayerSpec) FIELD(LayerSpec, input_norm) FIELD(LayerSpec, post_norm) FIELD(LayerSpec, q_norm)
+    FIELD(LayerSpec, k_norm) FIELD(LayerSpec, attn_out_norm) FIELD(LayerSpec, mlp_out_norm) FIELD(LayerSpec, qkv)
     FIELD(LayerSpec, o) FIELD(LayerSpec, gate_up) FIELD(LayerSpec, down) FIELD(LayerSpec, k_cache)
-    FIELD(LayerSpec, v_cache)
+    FIELD(LayerSpec, v_cache) FIELD(LayerSpec, sliding_window) FIELD(LayerSpec, rope_cos) FIELD(LayerSpec, rope_sin)
     SIZE(DecoderSpec) FIELD(DecoderSpec, num_layers) FIELD(DecoderSpec, hidden) FIELD(DecoderSpec, num_heads)
     FIELD(DecoderSpec, num_kv_heads) FIELD(DecoderSpec, head_dim) FIELD(DecoderSpec, intermediate)
     FIELD(DecoderSpec, num_blocks) FIELD(DecoderSpec, block_size) FIELD(DecoderSpec, int8_activations)
-    FIELD(DecoderSpec, block_rows) FIELD(DecoderSpec, eps) FIELD(DecoderSpec, scale) FIELD(DecoderSpec, layers)
-    FIELD(DecoderSpec, rope_cos) FIELD(DecoderSpec, rope_sin) FIELD(DecoderSpec, final_norm)
+    FIELD(DecoderSpec, block_rows) FIELD(DecoderSpec, activation) FIELD(DecoderSpec, eps) FIELD(DecoderSpec, scale)
+    FIELD(DecoderSpec, norm_offset) FIELD(DecoderSpec, layers) FIELD(DecoderSpec, final_norm)
     return -1;
 }

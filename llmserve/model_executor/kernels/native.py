@@ -12,7 +12,7 @@ bounds, raising ValueError: a wrong tensor would otherwise be read as raw memory
 
 - `dequant.c`: rows of a weight in its stored format (GGUF blocks, fp16, bf16) widened to fp32.
 - `weight_gemm.c`: fp32 rows times a weight in its stored format, at any number of rows.
-- `paged_attention.c`: decode attention reading the paged KV cache in place.
+- `paged_attention.c`: decode attention reading the paged KV cache in place, within a sliding window.
 - `block_q8.c`: a few rows rounded to int8 times GGUF blocks, as integers (`--quantization gguf|int8|int4`).
 - `int8_gemm.c`: the same for many rows, with AVX-512 VNNI.
 - `decoder_step.c`: a decode step through every decoder layer, from those.
@@ -99,7 +99,7 @@ def _load(isa: str) -> ctypes.CDLL | None:
         raise RuntimeError(f"The ctypes structs differ from the C ones: {'; '.join(mismatches)}.")
     logger.info("Native kernels: %s build.", isa)
     library.kernels_isa.restype = ctypes.c_char_p
-    library.paged_decode_attention.argtypes = [_PTR] * 6 + [_I64] * 7 + [ctypes.c_float, ctypes.c_int]
+    library.paged_decode_attention.argtypes = [_PTR] * 6 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int]
     library.paged_decode_attention.restype = ctypes.c_int
     library.block_gemv.argtypes = [_PTR, _I64, _I64, ctypes.POINTER(Weight), _I64, _PTR, ctypes.c_int]
     library.block_gemv.restype = ctypes.c_int
@@ -172,8 +172,13 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [batch, max_blocks] int64
     seq_lens: torch.Tensor,  # [batch] int64, each in [1, max_blocks * block_size]
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
+    """Each query attends to the last `sliding_window` keys of its sequence (all of them when None); the
+    blocks before those are never read, so their table entries need only be valid ids."""
     library = _library()
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {sliding_window}.")
     q = q.contiguous()
     _check("q", q, torch.float32, 3)
     _check("k_cache", k_cache, torch.float32, 4)
@@ -200,6 +205,7 @@ def paged_decode_attention(
         num_blocks,
         block_size,
         block_tables.shape[1],
+        sliding_window or 0,
         scale,
         torch.get_num_threads(),
     )

@@ -114,33 +114,38 @@ static inline void prefetch_rows(const float *next, int64_t t, int64_t head_dim)
 }
 #endif
 
-/* Scores of `group` query heads against the cached keys, block by block of the table; e^(score - max)
- * of each, then out = their weighted sum of the values / the sum of the weights. The next block is
- * prefetched while one computes: the blocks lie scattered, out of the hardware prefetcher's sight. */
+/* Scores of `group` query heads against the cached keys at positions [first, len), first = len - window
+ * (0 without a window, window <= 0), block by block of the table from the block holding `first`; the
+ * blocks before it are never read (behind a sliding window they may have been freed and reused). Then
+ * e^(score - max) of each, and out = their weighted sum of the values / the sum of the weights. The
+ * next block is prefetched while one computes: the blocks lie scattered, out of the hardware
+ * prefetcher's sight. */
 void attend_one(
     const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t len,
-    float *out, int64_t group, int64_t head_dim, int64_t block_size, int64_t head_stride, float scale,
-    float *scores)
+    int64_t window, float *out, int64_t group, int64_t head_dim, int64_t block_size, int64_t head_stride,
+    float scale, float *scores)
 {
+    const int64_t first = window > 0 && len > window ? len - window : 0, keys = len - first;
     const int64_t blocks = (len + block_size - 1) / block_size, block_floats = block_size * head_dim;
 #ifdef USE_AVX2
     const int vector = head_dim % 8 == 0 && block_size % 4 == 0;
 #endif
-    for (int64_t b = 0; b < blocks; b++) {
-        const float *k = k_cache + head_stride + table[b] * block_floats;
+    for (int64_t b = first / block_size; b < blocks; b++) {
         const int64_t t0 = b * block_size, n = len - t0 < block_size ? len - t0 : block_size;
+        const int64_t skip = first > t0 ? first - t0 : 0; /* rows of the first block before the window */
+        const float *k = k_cache + head_stride + table[b] * block_floats + skip * head_dim;
         for (int64_t g = 0; g < group; g++) {
             const float *qg = q + g * head_dim;
-            float *s = scores + g * len + t0;
+            float *s = scores + g * keys + t0 + skip - first; /* s[t]: the score of k's row t */
             int64_t t = 0;
 #ifdef USE_AVX2
             const float *next = g == 0 && b + 1 < blocks ? k_cache + head_stride + table[b + 1] * block_floats : NULL;
-            for (; vector && t + 4 <= n; t += 4) {
+            for (; vector && t + 4 <= n - skip; t += 4) {
                 prefetch_rows(next, t, head_dim);
                 _mm_storeu_ps(s + t, _mm_mul_ps(dot4(qg, k + t * head_dim, head_dim), _mm_set1_ps(scale)));
             }
 #endif
-            for (; t < n; t++) {
+            for (; t < n - skip; t++) {
                 float dot = 0.0f;
                 for (int64_t d = 0; d < head_dim; d++)
                     dot += qg[d] * k[t * head_dim + d];
@@ -150,17 +155,17 @@ void attend_one(
     }
     float inverse[group];
     for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * len, sum = 0.0f;
+        float *s = scores + g * keys, sum = 0.0f;
 #ifdef USE_AVX2
         if (vector)
-            sum = softmax_numerators(s, len);
+            sum = softmax_numerators(s, keys);
         else
 #endif
         {
             float max = -INFINITY;
-            for (int64_t t = 0; t < len; t++)
+            for (int64_t t = 0; t < keys; t++)
                 max = s[t] > max ? s[t] : max;
-            for (int64_t t = 0; t < len; t++) {
+            for (int64_t t = 0; t < keys; t++) {
                 s[t] = expf(s[t] - max);
                 sum += s[t];
             }
@@ -169,26 +174,28 @@ void attend_one(
         for (int64_t d = 0; d < head_dim; d++)
             out[g * head_dim + d] = 0.0f;
     }
-    for (int64_t b = 0; b < blocks; b++) {
-        const float *v = v_cache + head_stride + table[b] * block_floats;
+    for (int64_t b = first / block_size; b < blocks; b++) {
         const int64_t t0 = b * block_size, n = len - t0 < block_size ? len - t0 : block_size;
+        const int64_t skip = first > t0 ? first - t0 : 0;
+        const float *v = v_cache + head_stride + table[b] * block_floats + skip * head_dim;
+        const float *p = scores + t0 + skip - first; /* p[t]: the weight of v's row t, for head 0 */
 #ifdef USE_AVX2
         if (vector) {
             const float *next = b + 1 < blocks ? v_cache + head_stride + table[b + 1] * block_floats : NULL;
             for (int64_t t = 0; t < block_size; t += 4)
                 prefetch_rows(next, t, head_dim);
             for (int64_t g = 0; g < group; g++)
-                weigh_values(v, scores + g * len + t0, n, head_dim, out + g * head_dim);
+                weigh_values(v, p + g * keys, n - skip, head_dim, out + g * head_dim);
             continue;
         }
 #endif
-        for (int64_t t = 0; t < n; t++)
+        for (int64_t t = 0; t < n - skip; t++)
             for (int64_t g = 0; g < group; g++) {
-                const float p = scores[g * len + t0 + t];
+                const float w = p[g * keys + t];
                 float *o = out + g * head_dim;
 #pragma omp simd
                 for (int64_t d = 0; d < head_dim; d++)
-                    o[d] += p * v[t * head_dim + d];
+                    o[d] += w * v[t * head_dim + d];
             }
     }
     for (int64_t g = 0; g < group; g++)
@@ -211,12 +218,13 @@ int tables_in_bounds(const int64_t *block_tables, const int64_t *seq_lens, int64
 }
 
 /* q, out: [batch, heads, head_dim]; caches: [kv_heads, num_blocks, block_size, head_dim];
- * block_tables: [batch, max_blocks]; seq_lens: [batch], each >= 1. Returns 0, -1 if out of memory, or -2
- * for a length or block id out of bounds (tables_in_bounds). */
+ * block_tables: [batch, max_blocks]; seq_lens: [batch], each >= 1; window: the keys each query sees, its own
+ * included (<= 0: all). Returns 0, -1 if out of memory, or -2 for a length or block id out of bounds
+ * (tables_in_bounds). */
 int paged_decode_attention(
     const float *q, const float *k_cache, const float *v_cache, const int64_t *block_tables,
     const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale,
+    int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t max_blocks, int64_t window, float scale,
     int num_threads)
 {
     if (!tables_in_bounds(block_tables, seq_lens, batch, max_blocks, num_blocks, block_size))
@@ -225,6 +233,7 @@ int paged_decode_attention(
     int64_t max_len = 1;
     for (int64_t b = 0; b < batch; b++)
         max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    max_len = window > 0 && window < max_len ? window : max_len; /* the most keys one query sees */
     float *scratch = malloc(sizeof(float) * num_threads * group * max_len);
     if (scratch == NULL)
         return -1;
@@ -233,7 +242,7 @@ int paged_decode_attention(
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const int64_t offset = (b * num_heads + h * group) * head_dim;
             float *scores = scratch + omp_get_thread_num() * group * max_len;
-            attend_one(q + offset, k_cache, v_cache, block_tables + b * max_blocks, seq_lens[b],
+            attend_one(q + offset, k_cache, v_cache, block_tables + b * max_blocks, seq_lens[b], window,
                        out + offset, group, head_dim, block_size, h * num_blocks * block_size * head_dim,
                        scale, scores);
         }

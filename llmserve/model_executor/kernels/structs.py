@@ -28,14 +28,14 @@ class Weight(ctypes.Structure):
 
 class LayerSpec(ctypes.Structure):
     _fields_ = [
-        ("input_norm", _PTR),
-        ("post_norm", _PTR),
-        ("qkv", Weight),
-        ("o", Weight),
-        ("gate_up", Weight),
-        ("down", Weight),
+        *((name, _PTR) for name in ("input_norm", "post_norm", "q_norm", "k_norm")),
+        *((name, _PTR) for name in ("attn_out_norm", "mlp_out_norm")),  # the optional ones may be NULL
+        *((name, Weight) for name in ("qkv", "o", "gate_up", "down")),
         ("k_cache", _PTR),
         ("v_cache", _PTR),
+        ("sliding_window", _I64),  # keys a query sees, its own included; 0: the whole sequence
+        ("rope_cos", _PTR),
+        ("rope_sin", _PTR),
     ]
 
 
@@ -47,11 +47,11 @@ class DecoderSpec(ctypes.Structure):
         *((name, _I64) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim")),
         *((name, _I64) for name in ("intermediate", "num_blocks", "block_size", "int8_activations")),
         ("block_rows", _I64),
+        ("activation", _I64),  # 0 SiLU, 1 tanh GELU
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
+        ("norm_offset", ctypes.c_float),
         ("layers", ctypes.POINTER(LayerSpec)),
-        ("rope_cos", _PTR),
-        ("rope_sin", _PTR),
         ("final_norm", _PTR),
     ]
 

@@ -1,11 +1,11 @@
-"""What every decoder-only architecture shares: embedding, final norm and logits, loading checkpoint
-tensors by their Hugging Face names, and taking its kernels from the execution plan.
+"""What every decoder-only architecture shares: embedding, the layers' loop, final norm and logits,
+loading checkpoint tensors by their Hugging Face names, and taking its kernels from the execution plan.
 
-An architecture's file subclasses `CausalLM`, builds `self.layers` (each called as
-`layer(rope, x, kv_cache, meta)`) and names what differs: its config class, the checkpoint shards it
-fuses, how GGUF names its tensors. With `stored=True` the projections and the embedding hold the
-checkpoint's weights as stored (`layers/stored_weight.py`), and tied embeddings are one tensor for
-input and output.
+An architecture's file subclasses `CausalLM`, builds `self.layers` (`layers/decoder_layer.py`'s
+`DecoderLayer`s) and `self.norm`, and names what differs: its config class, the checkpoint shards it
+fuses, how GGUF names its tensors, how it scales embeddings or caps logits. With `stored=True` the
+projections and the embedding hold the checkpoint's weights as stored (`layers/stored_weight.py`), and
+tied embeddings are one tensor for input and output.
 """
 
 from __future__ import annotations
@@ -19,14 +19,16 @@ from torch import nn
 
 from llmserve.model_executor.attention import AttentionMetadata
 from llmserve.model_executor.execution_plan import ExecutionPlan
+from llmserve.model_executor.layers.decoder_layer import DecoderLayer, KVCache
 from llmserve.model_executor.layers.embedding import StoredEmbedding
 from llmserve.model_executor.layers.linear import Linear, LinearKernel, StoredKernel, dense_kernel
-from llmserve.model_executor.layers.rotary_embedding import RotaryEmbedding
+from llmserve.model_executor.layers.rotary_embedding import RopeAngles, RotaryEmbedding
 from llmserve.model_executor.layers.stored_weight import StoredTensor, StoredWeight
 from llmserve.model_executor.models.decoder_config import DecoderConfig
+from llmserve.model_executor.models.native_decoder import NativeDecoder
 from llmserve.model_executor.quantization import requantize
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # each [kv_heads, num_blocks, block_size, head_dim]
+__all__ = ["KVCache", "CausalLM"]
 
 # llama.cpp's tensor names inside a layer → Hugging Face's, for the Llama layout; an architecture with
 # other tensors passes its own.
@@ -48,10 +50,9 @@ class CausalLM(nn.Module):
     # Checkpoint name fragment → (our fused parameter fragment, shard index among its parts).
     fused_shards: ClassVar[dict[str, tuple[str, int]]] = {}
     gguf_layer_names: ClassVar[dict[str, str]] = LLAMA_GGUF_LAYER_NAMES
-    # The layer is the one kernels/decoder_step.c computes, so the plan may run decodes through it.
-    fused_decode_layer: ClassVar[bool] = False
 
-    layers: nn.ModuleList
+    layers: nn.ModuleList  # of DecoderLayer
+    norm: nn.Module
 
     def __init__(self, config: DecoderConfig, stored: bool) -> None:
         super().__init__()
@@ -68,6 +69,13 @@ class CausalLM(nn.Module):
             else Linear(config.hidden_size, config.vocab_size, False, stored)
         )
         self.logits_kernel: LinearKernel | None = None
+        self.native_decoder: NativeDecoder | None = None  # decode steps in C, when the plan says so
+
+    @classmethod
+    def fused_decode_layer(cls, config: DecoderConfig) -> bool:
+        """Whether every part of the layers is one kernels/decoder_step.c computes, so that the plan may
+        run decode steps there."""
+        return True
 
     @classmethod
     def gguf_tensor(cls, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -79,6 +87,12 @@ class CausalLM(nn.Module):
         """The cos/sin tables, rebuilt after the model leaves the meta device."""
         return [m for m in self.modules() if isinstance(m, RotaryEmbedding)]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
@@ -87,7 +101,16 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden_size] after the final norm."""
-        raise NotImplementedError
+        x = self.embed(input_ids)
+        if self.native_decoder is not None and self.native_decoder.accepts(meta):
+            return self.native_decoder(x, positions, kv_caches, meta)
+        angles: dict[int, RopeAngles] = {}  # each table's rows for these positions, looked up once
+        for layer, kv_cache in zip(self.decoder_layers(), kv_caches):
+            rotary = layer.parts.rotary
+            if id(rotary) not in angles:
+                angles[id(rotary)] = rotary(positions)
+            x = layer(angles[id(rotary)], x, kv_cache, meta)
+        return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.logits_kernel is not None:
@@ -127,6 +150,7 @@ class CausalLM(nn.Module):
             self.logits_kernel = StoredKernel(StoredWeight([head], None), plan)
         else:
             self.logits_kernel = dense_kernel(self.embed_tokens.weight, None, plan)
+        self.native_decoder = NativeDecoder(self, plan) if plan.fused_decode else None
 
     def shard_sizes(self, fused: str) -> list[int]:
         """The rows of each checkpoint shard of a fused projection."""

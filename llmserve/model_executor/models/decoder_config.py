@@ -7,9 +7,10 @@ file. Which architectures exist is the registry's business (`models/registry.py`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from llmserve.model_executor.loader.gguf_file import GGUFHeader
+if TYPE_CHECKING:  # the loader package imports the models, so this one cannot import it at run time
+    from llmserve.model_executor.loader.gguf_file import GGUFHeader
 
 
 @dataclass(frozen=True)

@@ -1,26 +1,32 @@
-"""Decode steps of a Llama through `kernels/decoder_step.c`: every layer in one C call.
+"""Decode steps through `kernels/decoder_step.c`: every layer in one C call, built from the layers' parts.
 
-Taken where the execution plan says so (a Llama-family layer, stored weights: the CPU in fp32 with our
-kernels) and the step holds decodes only. At a few rows the projections are ~half the step and the
-~1,500 PyTorch calls of the layers were the other half; at 64 rows those calls, with their tensors
-larger than the caches, took ~15% of it. Steps with a prefill keep the PyTorch path, which computes
-the same thing with the same kernels.
+Taken where the execution plan says so (stored weights: the CPU in fp32 with our kernels) and the step
+holds decodes only. At a few rows the projections are ~half the step and the ~1,500 PyTorch calls of
+the layers were the other half; at 64 rows those calls, with their tensors larger than the caches, took
+~15% of it. Steps with a prefill keep the PyTorch path. Both compute the `DecoderLayer` of
+`layers/decoder_layer.py` from the same `LayerParts`: the spec below holds the addresses of those very
+modules' weights, so an architecture is described once and either path runs it.
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from llmserve.model_executor.attention import AttentionMetadata
 from llmserve.model_executor.execution_plan import ExecutionPlan
 from llmserve.model_executor.kernels import native
+from llmserve.model_executor.layers.decoder_layer import DecoderLayer, KVCache
+from llmserve.model_executor.layers.layernorm import RMSNorm
 from llmserve.model_executor.layers.linear import Linear, StoredKernel
 
 if TYPE_CHECKING:
-    from llmserve.model_executor.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
+    from llmserve.model_executor.models.causal_lm import CausalLM
+
+_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
 def _weight(linear: Linear) -> native.Weight:
@@ -29,33 +35,34 @@ def _weight(linear: Linear) -> native.Weight:
 
 
 class NativeDecoder:
-    def __init__(self, model: LlamaForCausalLM, plan: ExecutionPlan) -> None:
-        c = model.config
+    def __init__(self, model: CausalLM, plan: ExecutionPlan) -> None:
+        layers = model.decoder_layers()
+        norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+        offsets = {norm.offset for norm in norms}
+        if len(offsets) != 1:
+            raise ValueError(
+                f"decoder_step.c takes one norm offset per model; {type(model).__name__} has {offsets}."
+            )
+        shape = layers[0].shape
         self.model = model  # keeps the tensors behind the spec's addresses alive
-        self.layers = (native.LayerSpec * c.num_hidden_layers)()
-        for spec, module in zip(self.layers, model.layers):
-            layer = cast("LlamaDecoderLayer", module)
-            spec.input_norm = layer.input_layernorm.weight.data_ptr()
-            spec.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-            spec.qkv = _weight(layer.self_attn.qkv_proj)
-            spec.o = _weight(layer.self_attn.o_proj)
-            spec.gate_up = _weight(layer.mlp.gate_up_proj)
-            spec.down = _weight(layer.mlp.down_proj)
+        self.layers = (native.LayerSpec * len(layers))()
+        for spec, layer in zip(self.layers, layers):
+            _describe(spec, layer)
         self.spec = native.DecoderSpec(
-            num_layers=c.num_hidden_layers,
-            hidden=c.hidden_size,
-            num_heads=c.num_attention_heads,
-            num_kv_heads=c.num_key_value_heads,
-            head_dim=c.head_dim,
-            intermediate=c.intermediate_size,
+            num_layers=len(layers),
+            hidden=model.config.hidden_size,
+            num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            intermediate=shape.intermediate_size,
             int8_activations=plan.int8_activations,
             block_rows=plan.block_rows,
-            eps=c.rms_norm_eps,
-            scale=c.head_dim**-0.5,
+            activation=_ACTIVATIONS[shape.activation],
+            eps=model.config.rms_norm_eps,
+            scale=shape.scale,
+            norm_offset=offsets.pop(),
             layers=ctypes.cast(self.layers, ctypes.POINTER(native.LayerSpec)),
-            rope_cos=model.rotary.cos.data_ptr(),
-            rope_sin=model.rotary.sin.data_ptr(),
-            final_norm=model.norm.weight.data_ptr(),
+            final_norm=_address(model.norm),
         )
         self.kv_caches: list[KVCache] | None = None
 
@@ -78,3 +85,22 @@ class NativeDecoder:
             spec.k_cache, spec.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         _, self.spec.num_blocks, self.spec.block_size, _ = kv_caches[0][0].shape
         self.kv_caches = kv_caches
+
+
+def _describe(spec: native.LayerSpec, layer: DecoderLayer) -> None:
+    """Point `spec` at the layer's parts."""
+    p = layer.parts
+    spec.input_norm, spec.post_norm = _address(p.input_norm), _address(p.mlp_norm)
+    spec.q_norm, spec.k_norm = _address(p.q_norm), _address(p.k_norm)
+    spec.attn_out_norm, spec.mlp_out_norm = _address(p.attn_out_norm), _address(p.mlp_out_norm)
+    spec.qkv, spec.o, spec.gate_up, spec.down = (_weight(m) for m in (p.qkv, p.o, p.gate_up, p.down))
+    spec.sliding_window = layer.shape.sliding_window or 0
+    spec.rope_cos, spec.rope_sin = p.rotary.cos.data_ptr(), p.rotary.sin.data_ptr()
+
+
+def _address(norm: nn.Module | None) -> int | None:
+    """An RMSNorm's weight, fp32 and contiguous as the C code reads it; None (NULL) for a missing norm."""
+    if norm is None:
+        return None
+    assert isinstance(norm, RMSNorm) and norm.weight.dtype == torch.float32 and norm.weight.is_contiguous()
+    return norm.weight.data_ptr()

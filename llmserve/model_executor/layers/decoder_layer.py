@@ -1,0 +1,82 @@
+"""One pre-norm decoder layer, the arrangement every architecture in `models/` shares; each names its parts.
+
+    x → input_norm → QKV → (q_norm, k_norm per head) → RoPE → paged attention (maybe windowed) → o
+      → (attn_out_norm) → + x → mlp_norm → gate/up → act(gate) * up → down → (mlp_out_norm) → + x
+
+Llama, Mistral, Qwen2 and Phi-3 have no q/k or output norms and use SiLU; Qwen3 adds the q/k norms;
+Gemma 3 has them all, with (1 + w) norms and tanh GELU. An architecture's layer builds its parts under
+its checkpoint's names and hands them over as `LayerParts`: this forward and the fused decode step
+(`models/native_decoder.py` → `kernels/decoder_step.c`) both compute from those same parts, so a layer
+is defined once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmserve.model_executor.attention import AttentionMetadata, paged_attention
+from llmserve.model_executor.layers.linear import Linear
+from llmserve.model_executor.layers.rotary_embedding import RopeAngles, RotaryEmbedding, apply_rope
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # each [kv_heads, num_blocks, block_size, head_dim]
+Activation = Literal["silu", "gelu_tanh"]
+
+
+@dataclass
+class LayerParts:
+    """The modules of one layer by role (registered on the layer under the checkpoint's names)."""
+
+    input_norm: nn.Module
+    qkv: Linear  # the queries' rows, then the keys', then the values'
+    o: Linear
+    mlp_norm: nn.Module
+    gate_up: Linear  # the gate's rows, then the up's
+    down: Linear
+    rotary: RotaryEmbedding  # shared between layers that use the same tables
+    q_norm: nn.Module | None = None  # over each head's head_dim, before RoPE
+    k_norm: nn.Module | None = None
+    attn_out_norm: nn.Module | None = None  # on the attention's output, before the residual add
+    mlp_out_norm: nn.Module | None = None
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    scale: float  # of the attention scores
+    sliding_window: int | None
+    activation: Activation
+
+
+class DecoderLayer(nn.Module):
+    """Subclasses build their modules, then set `parts` and `shape`."""
+
+    parts: LayerParts
+    shape: LayerShape
+
+    def forward(
+        self, rope: RopeAngles, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        p, s = self.parts, self.shape
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        q, k, v = p.qkv(p.input_norm(x)).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(-1, s.num_heads, s.head_dim)
+        k = k.reshape(-1, s.num_kv_heads, s.head_dim)
+        if p.q_norm is not None and p.k_norm is not None:
+            q, k = p.q_norm(q), p.k_norm(k)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        v = v.reshape(-1, s.num_kv_heads, s.head_dim)
+        attended = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, s.scale, s.sliding_window)
+        out = p.o(attended.reshape(-1, q_size))
+        x = x + (out if p.attn_out_norm is None else p.attn_out_norm(out))
+        gate, up = p.gate_up(p.mlp_norm(x)).split(s.intermediate_size, dim=-1)
+        act = F.silu(gate) if s.activation == "silu" else F.gelu(gate, approximate="tanh")
+        out = p.down(act * up)
+        return x + (out if p.mlp_out_norm is None else p.mlp_out_norm(out))
