@@ -89,8 +89,8 @@ class DecoderConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             rope_scaling=scaling,
-            sliding_window=_sliding_window(cfg),
-            layer_types=tuple(cfg["layer_types"]) if cfg.get("layer_types") else None,
+            sliding_window=_sliding_window(cfg, arch),
+            layer_types=_layer_types(cfg, arch),
         )
 
     @classmethod
@@ -151,9 +151,22 @@ def _gguf_rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None
     return scaling
 
 
-def _sliding_window(cfg: dict[str, Any]) -> int | None:
-    """Qwen2/Qwen3 configs carry a window they do not use unless `use_sliding_window` is set."""
+def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
+    """Qwen2/Qwen3 configs carry a window they do not use unless `use_sliding_window` is set (false by
+    default, as in transformers); Mistral's is used wherever it is set."""
     window = cfg.get("sliding_window")
-    if window is None or not cfg.get("use_sliding_window", True):
+    if window is None or not cfg.get("use_sliding_window", not arch.startswith("Qwen")):
         return None
     return int(window)
+
+
+def _layer_types(cfg: dict[str, Any], arch: str) -> tuple[str, ...] | None:
+    """The config's `layer_types`, else Qwen's rule for configs older than that key: with a window, the
+    layers from `max_window_layers` on slide and those before it see everything."""
+    if cfg.get("layer_types"):
+        return tuple(cfg["layer_types"])
+    if not arch.startswith("Qwen") or _sliding_window(cfg, arch) is None or "max_window_layers" not in cfg:
+        return None
+    first = int(cfg["max_window_layers"])
+    layers = range(int(cfg["num_hidden_layers"]))
+    return tuple("sliding_attention" if i >= first else "full_attention" for i in layers)

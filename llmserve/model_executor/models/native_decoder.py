@@ -11,6 +11,7 @@ modules' weights, so an architecture is described once and either path runs it.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,12 +38,7 @@ def _weight(linear: Linear) -> native.Weight:
 class NativeDecoder:
     def __init__(self, model: CausalLM, plan: ExecutionPlan) -> None:
         layers = model.decoder_layers()
-        norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
-        offsets = {norm.offset for norm in norms}
-        if len(offsets) != 1:
-            raise ValueError(
-                f"decoder_step.c takes one norm offset per model; {type(model).__name__} has {offsets}."
-            )
+        norm = _one_norm(model, layers)
         shape = layers[0].shape
         self.model = model  # keeps the tensors behind the spec's addresses alive
         self.layers = (native.LayerSpec * len(layers))()
@@ -58,9 +54,9 @@ class NativeDecoder:
             int8_activations=plan.int8_activations,
             block_rows=plan.block_rows,
             activation=_ACTIVATIONS[shape.activation],
-            eps=model.config.rms_norm_eps,
+            eps=norm.eps,
             scale=shape.scale,
-            norm_offset=offsets.pop(),
+            norm_offset=norm.offset,
             layers=ctypes.cast(self.layers, ctypes.POINTER(native.LayerSpec)),
             final_norm=_address(model.norm),
         )
@@ -85,6 +81,24 @@ class NativeDecoder:
             spec.k_cache, spec.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         _, self.spec.num_blocks, self.spec.block_size, _ = kv_caches[0][0].shape
         self.kv_caches = kv_caches
+
+
+def _one_norm(model: CausalLM, layers: list[DecoderLayer]) -> RMSNorm:
+    """What decoder_step.c takes for granted of the model, checked; returns a norm, all alike."""
+    name = type(model).__name__
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    if len({(norm.offset, norm.eps) for norm in norms}) != 1:
+        raise ValueError(f"decoder_step.c takes one norm offset and eps per model; {name} has several.")
+    shapes = {dataclasses.replace(layer.shape, sliding_window=None) for layer in layers}
+    if len(shapes) != 1:
+        raise ValueError(f"decoder_step.c takes layers of one shape; {name} has {len(shapes)}.")
+    for layer in layers:
+        p = layer.parts
+        if (p.q_norm is None) != (p.k_norm is None):
+            raise ValueError(f"decoder_step.c takes both q and k norms or neither; {name} has one.")
+        if p.rotary.cos.shape[-1] != layer.shape.head_dim // 2:
+            raise ValueError(f"decoder_step.c rotates whole heads; {name} rotates part of each.")
+    return norms[0]
 
 
 def _describe(spec: native.LayerSpec, layer: DecoderLayer) -> None:

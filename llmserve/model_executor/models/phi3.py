@@ -41,8 +41,11 @@ class Phi3Config(DecoderConfig):
         config = cast(Phi3Config, super().from_hf_dict(cfg))  # `super()` builds a `cls`
         rope = cfg.get("rope_parameters") or {}
         scaling = config.rope_scaling
-        original = cfg.get("original_max_position_embeddings")
-        if scaling is not None and "original_max_position_embeddings" not in scaling and original:
+        # transformers reads the top-level value first, then rope_parameters', then 4096
+        original = cfg.get("original_max_position_embeddings") or (scaling or {}).get(
+            "original_max_position_embeddings", 4096
+        )
+        if scaling is not None:
             scaling = {**scaling, "original_max_position_embeddings": int(original)}
         factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
         if not 0.0 < factor <= 1.0:
@@ -94,6 +97,7 @@ class Phi3DecoderLayer(DecoderLayer):
 
 class Phi3ForCausalLM(CausalLM):
     config_class = Phi3Config
+
     @classmethod
     def fused_decode_layer(cls, config: DecoderConfig) -> bool:
         """decoder_step.c rotates whole heads; Phi-4-mini rotates 3/4 of each, so it decodes op by op."""
