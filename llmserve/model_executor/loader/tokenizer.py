@@ -27,6 +27,11 @@ if TYPE_CHECKING:
 _CONTROL = 3
 _USER_DEFINED = 4
 
+# To choose a tokenizer class, AutoTokenizer first builds the model's config from the GGUF, which for
+# these architectures means gguf's reader making numpy views of every metadata array: ~20 s for Gemma 3's
+# 262k tokens. The class it chooses (GemmaTokenizer) wraps the backend that transformers' conversion
+# builds, and the base class takes that backend directly, giving the same ids and text.
+_DIRECT_ARCHITECTURES = ("gemma3",)
 # llama.cpp `tokenizer.ggml.pre` values whose HF tokenizer.json is Digits(individual) then
 # ByteLevel's GPT-2 split (SmolLM2's, StarCoder's); and those that are ByteLevel alone.
 _DIGIT_SPLIT_PRE_TYPES = ("smollm", "starcoder", "refact", "codeshell")
@@ -94,7 +99,7 @@ def _gguf_tokenizer(header: GGUFHeader) -> PreTrainedTokenizerBase:
     meta = header.metadata
     pre_tokenizer = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
     if meta.get("tokenizer.ggml.model") != "gpt2" or pre_tokenizer is None:
-        return _transformers_gguf_tokenizer(header.path)
+        return _transformers_gguf_tokenizer(header.path, direct=header.architecture in _DIRECT_ARCHITECTURES)
 
     tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
     if not tokens:
@@ -165,11 +170,13 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer | None:
     return None
 
 
-def _transformers_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    """The general (slow) route: transformers' own conversion of the GGUF metadata."""
-    from transformers import AutoTokenizer
+def _transformers_gguf_tokenizer(path: Path, direct: bool) -> PreTrainedTokenizerBase:
+    """The general (slow) route: transformers' own conversion of the GGUF metadata. `direct`: through
+    the base class, skipping AutoTokenizer's choice of class (see _DIRECT_ARCHITECTURES)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    loader = PreTrainedTokenizerFast if direct else AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        return loader.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ValueError(f"Cannot build a tokenizer from {path}: {e}") from e
