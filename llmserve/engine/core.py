@@ -47,7 +47,7 @@ class EngineCore:
             block_size=block_size,
             vocab_size=decoder_config.vocab_size,
         )
-        self.model_runner.initialize_kv_cache(num_blocks, block_size)
+        self.model_runner.initialize_kv_cache(num_blocks, block_size, self.limits.max_model_len)
         _log_memory(self.model_runner, self.limits, num_blocks * block_bytes)
         self.kv_cache_manager = KVCacheManager(
             num_blocks,

@@ -51,9 +51,7 @@ class ModelRunner:
         torch.manual_seed(model_config.seed)
         with torch.device("meta"):
             model = model_cls(decoder_config, stored=self.plan.stored_weights)
-        model = model.to_empty(device=self.device).to(self.dtype)
-        for rotary in model.rotary_embeddings():
-            rotary.compute_tables()
+        model = model.to_empty(device=self.device).to(self.dtype)  # RoPE tables: see initialize_kv_cache
         model.load_weights(iter_weights(source, stored=self.plan.stored_weights))
         model.prepare_kernels(self.plan)
         self.model = model.eval()
@@ -67,7 +65,10 @@ class ModelRunner:
         per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
         return per_token * block_size * self.dtype.itemsize
 
-    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        """The KV pool, and the RoPE tables for the positions a sequence can reach."""
+        for rotary in self.model.rotary_embeddings():
+            rotary.compute_tables(max_model_len)
         c = self.config
         shape = (c.num_key_value_heads, num_blocks, block_size, c.head_dim)  # head-major: see attention.py
         self.block_size = block_size

@@ -32,14 +32,17 @@ def test_start_up_logs_weights_kv_pool_concurrency_and_kernel_build(
     caplog.set_level(logging.INFO, logger="llmserve")
     budget = (8 << 20) + 5000  # no whole number of blocks: the pool is the whole blocks, not the budget
     llm = make_llm(tiny_llama_hf_dir, kv_cache_memory=budget, max_model_len=MAX_MODEL_LEN)
+    config = json.loads((tiny_llama_hf_dir / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
     try:
         runner = core_of(llm).model_runner
         pool_bytes = sum(t.nbytes for pair in runner.kv_caches for t in pair)
+        # RoPE tables for the positions a sequence can reach, not the model's whole context
+        tables = {tuple(r.cos.shape) for r in runner.model.rotary_embeddings()}
+        assert tables == {(MAX_MODEL_LEN, head_dim // 2)}
     finally:
         llm.shutdown()
 
-    config = json.loads((tiny_llama_hf_dir / "config.json").read_text())
-    head_dim = config["hidden_size"] // config["num_attention_heads"]
     block_bytes = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * BLOCK_SIZE * 4
     blocks = budget // block_bytes
     tokens = blocks * BLOCK_SIZE

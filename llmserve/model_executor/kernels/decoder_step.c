@@ -272,7 +272,8 @@ int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const
     if (!tables_in_bounds(block_tables, seq_lens, rows, max_blocks, s->num_blocks, s->block_size))
         return -3;
     for (int64_t r = 0; r < rows; r++)
-        if (positions[r] < 0 || slots[r] < 0 || slots[r] >= s->num_blocks * s->block_size)
+        if (positions[r] < 0 || positions[r] >= s->rope_positions || slots[r] < 0 ||
+            slots[r] >= s->num_blocks * s->block_size)
             return -3;
     const int64_t q_size = s->num_heads * s->head_dim, group = s->num_heads / s->num_kv_heads;
     const int64_t wide = max64(q_size + 2 * s->num_kv_heads * s->head_dim, s->intermediate);

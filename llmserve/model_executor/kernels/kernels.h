@@ -181,6 +181,7 @@ typedef struct {
     int64_t int8_activations; /* round each projection's input as block_q8.c does */
     int64_t block_rows;       /* with int8 activations, steps of up to this many rows go to block_q8.c */
     int64_t activation;       /* of the MLP's gate: 0 SiLU, 1 tanh GELU */
+    int64_t rope_positions;   /* rows of every layer's RoPE tables */
     float eps, scale;
     float norm_offset;        /* every norm multiplies by (norm_offset + w): 1 for Gemma, else 0 */
     const LayerSpec *layers;

@@ -25,7 +25,8 @@ int64_t struct_layout(const char *name)
     SIZE(DecoderSpec) FIELD(DecoderSpec, num_layers) FIELD(DecoderSpec, hidden) FIELD(DecoderSpec, num_heads)
     FIELD(DecoderSpec, num_kv_heads) FIELD(DecoderSpec, head_dim) FIELD(DecoderSpec, intermediate)
     FIELD(DecoderSpec, num_blocks) FIELD(DecoderSpec, block_size) FIELD(DecoderSpec, int8_activations)
-    FIELD(DecoderSpec, block_rows) FIELD(DecoderSpec, activation) FIELD(DecoderSpec, eps) FIELD(DecoderSpec, scale)
-    FIELD(DecoderSpec, norm_offset) FIELD(DecoderSpec, layers) FIELD(DecoderSpec, final_norm)
+    FIELD(DecoderSpec, block_rows) FIELD(DecoderSpec, activation) FIELD(DecoderSpec, rope_positions)
+    FIELD(DecoderSpec, eps) FIELD(DecoderSpec, scale) FIELD(DecoderSpec, norm_offset) FIELD(DecoderSpec, layers)
+    FIELD(DecoderSpec, final_norm)
     return -1;
 }

@@ -48,6 +48,7 @@ class DecoderSpec(ctypes.Structure):
         *((name, _I64) for name in ("intermediate", "num_blocks", "block_size", "int8_activations")),
         ("block_rows", _I64),
         ("activation", _I64),  # 0 SiLU, 1 tanh GELU
+        ("rope_positions", _I64),  # rows of every layer's RoPE tables
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("norm_offset", ctypes.c_float),

@@ -60,17 +60,22 @@ def _longrope_factors(scaling: dict[str, Any], rotary_dim: int, name: str) -> to
 
 
 def _longrope_freqs(
-    rotary_dim: int, max_positions: int, theta: float, scaling: dict[str, Any], device: torch.device
+    rotary_dim: int,
+    max_positions: int,
+    rows: int,
+    theta: float,
+    scaling: dict[str, Any],
+    device: torch.device,
 ) -> tuple[torch.Tensor, float]:
-    """Angles [max_positions, rotary_dim // 2] (short factors, then long ones from the original
-    context on) and the factor every cos/sin is multiplied by (Hugging Face's attention_factor)."""
+    """Angles [rows, rotary_dim // 2] (short factors, then long ones from the original context on) and
+    the factor every cos/sin is multiplied by (Hugging Face's attention_factor)."""
     if "original_max_position_embeddings" not in scaling:
         raise ValueError("rope_scaling of type longrope needs original_max_position_embeddings.")
     original = int(scaling["original_max_position_embeddings"])
     theta_powers = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
     short = (1.0 / (_longrope_factors(scaling, rotary_dim, "short_factor") * theta_powers)).to(device)
     long = (1.0 / (_longrope_factors(scaling, rotary_dim, "long_factor") * theta_powers)).to(device)
-    positions = torch.arange(max_positions, dtype=torch.float32, device=device)
+    positions = torch.arange(rows, dtype=torch.float32, device=device)
     freqs = torch.cat([torch.outer(positions[:original], short), torch.outer(positions[original:], long)])
     factor = float(scaling.get("factor") or max_positions / original)
     attention_factor = scaling.get("attention_factor")
@@ -101,21 +106,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.compute_tables()
 
-    def compute_tables(self) -> None:
-        """(Re)build the cos/sin tables in fp32 on the module's device, e.g. after `to_empty()`."""
+    def compute_tables(self, num_positions: int | None = None) -> None:
+        """(Re)build the cos/sin tables in fp32 on the module's device, e.g. after `to_empty()`, for
+        positions [0, num_positions): the engine's max_model_len, which may be far below the model's
+        (a 131k-position table of head_dim 256 takes 128 MiB)."""
         device = self.get_buffer("cos").device
         if device.type == "meta":
             return
+        rows = num_positions or self.max_positions
         if _rope_type(self.scaling) in ("longrope", "su"):
             assert self.scaling is not None
             freqs, factor = _longrope_freqs(
-                self.rotary_dim, self.max_positions, self.theta, self.scaling, device
+                self.rotary_dim, self.max_positions, rows, self.theta, self.scaling, device
             )
         else:
             inv_freq = _inv_freq(self.rotary_dim, self.theta, self.scaling).to(device)
-            positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+            positions = torch.arange(rows, dtype=torch.float32, device=device)
             freqs, factor = torch.outer(positions, inv_freq), 1.0
-        # [max_positions, rotary_dim // 2]
+        # [rows, rotary_dim // 2]
         self.cos = freqs.cos() * factor
         self.sin = freqs.sin() * factor
 

@@ -77,8 +77,12 @@ class NativeDecoder:
         )
 
     def _bind(self, kv_caches: list[KVCache]) -> None:
-        for spec, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for spec, layer, (k_cache, v_cache) in zip(self.layers, self.model.decoder_layers(), kv_caches):
             spec.k_cache, spec.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+            # the tables are built with the cache, for its max_model_len (ModelRunner.initialize_kv_cache)
+            rotary = layer.parts.rotary
+            spec.rope_cos, spec.rope_sin = rotary.cos.data_ptr(), rotary.sin.data_ptr()
+            self.spec.rope_positions = rotary.cos.shape[0]  # the same for every table
         _, self.spec.num_blocks, self.spec.block_size, _ = kv_caches[0][0].shape
         self.kv_caches = kv_caches
 
@@ -96,7 +100,7 @@ def _one_norm(model: CausalLM, layers: list[DecoderLayer]) -> RMSNorm:
         p = layer.parts
         if (p.q_norm is None) != (p.k_norm is None):
             raise ValueError(f"decoder_step.c takes both q and k norms or neither; {name} has one.")
-        if p.rotary.cos.shape[-1] != layer.shape.head_dim // 2:
+        if p.rotary.rotary_dim != layer.shape.head_dim:
             raise ValueError(f"decoder_step.c rotates whole heads; {name} rotates part of each.")
     return norms[0]
 
@@ -109,7 +113,6 @@ def _describe(spec: native.LayerSpec, layer: DecoderLayer) -> None:
     spec.attn_out_norm, spec.mlp_out_norm = _address(p.attn_out_norm), _address(p.mlp_out_norm)
     spec.qkv, spec.o, spec.gate_up, spec.down = (_weight(m) for m in (p.qkv, p.o, p.gate_up, p.down))
     spec.sliding_window = layer.shape.sliding_window or 0
-    spec.rope_cos, spec.rope_sin = p.rotary.cos.data_ptr(), p.rotary.sin.data_ptr()
 
 
 def _address(norm: nn.Module | None) -> int | None:
