@@ -213,6 +213,7 @@ def decoder_spec(
         intermediate=intermediate,
         num_blocks=num_blocks,
         block_size=block_size,
+        rope_positions=weights["cos"].shape[0],
         eps=1e-6,
         scale=head_dim**-0.5,
         layers=ctypes.cast(layers, ctypes.POINTER(native.LayerSpec)),
@@ -254,6 +255,9 @@ def test_decoder_step_honours_the_layer_window() -> None:
     windowed = step(full_table, 21, window)
     assert torch.equal(windowed, step(full_table[:, 3:].contiguous(), 9, 0))
     assert step(full_table, 21, 0).isnan().all()  # the placeholder is in reach of a layer without one
+    with pytest.raises(ValueError, match="out of bounds"):  # a position past the RoPE tables' 64 rows
+        spec, _layers = decoder_spec(weights, caches, window)
+        native.decoder_step(spec, x.clone(), torch.tensor([64]), slot, full_table, torch.tensor([21]))
 
 
 @pytest.mark.parametrize("native_decode", [True, False])
