@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,10 +21,12 @@ from torch import nn
 from llmserve.model_executor.layers.decoder_layer import DecoderLayer, LayerParts, LayerShape
 from llmserve.model_executor.layers.layernorm import RMSNorm
 from llmserve.model_executor.layers.rotary_embedding import RotaryEmbedding
-from llmserve.model_executor.loader.gguf_file import GGUFHeader
 from llmserve.model_executor.models.causal_lm import CausalLM
 from llmserve.model_executor.models.decoder_config import DecoderConfig, gguf_fields
 from llmserve.model_executor.models.llama import LLAMA_FUSED_SHARDS, LlamaAttention, LlamaMLP
+
+if TYPE_CHECKING:
+    from llmserve.model_executor.loader.gguf_file import GGUFHeader
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # Gemma3TextConfig's defaults where DecoderConfig.from_hf_dict would assume another value.

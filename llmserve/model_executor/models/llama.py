@@ -27,18 +27,26 @@ LLAMA_FUSED_SHARDS = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: DecoderConfig, stored: bool) -> None:
+    """QKV and output projections; `shards`: the checkpoint's tensors QKV is made of (q, k and v; Phi-3
+    stores one)."""
+
+    def __init__(self, config: DecoderConfig, stored: bool, shards: int = 3) -> None:
         super().__init__()
         q_size = config.num_attention_heads * config.head_dim
         width = q_size + 2 * config.num_key_value_heads * config.head_dim
-        self.qkv_proj = Linear(config.hidden_size, width, config.attention_bias, stored, shards=3)
+        self.qkv_proj = Linear(config.hidden_size, width, config.attention_bias, stored, shards=shards)
         self.o_proj = Linear(q_size, config.hidden_size, False, stored)
+        self.q_norm: nn.Module | None = None  # Qwen3's and Gemma's norms over each head
+        self.k_norm: nn.Module | None = None
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: DecoderConfig, stored: bool) -> None:
+    """Gate-up and down projections; `shards`: the checkpoint's tensors gate-up is made of."""
+
+    def __init__(self, config: DecoderConfig, stored: bool, shards: int = 2) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, stored, shards=2)
+        width = 2 * config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, width, False, stored, shards=shards)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, stored)
 
 
@@ -55,20 +63,32 @@ def llama_shape(config: DecoderConfig, layer: int) -> LayerShape:
 
 
 class LlamaDecoderLayer(DecoderLayer):
-    def __init__(self, config: DecoderConfig, stored: bool, layer: int, rotary: RotaryEmbedding) -> None:
+    """Llama's modules under their checkpoint names, around another architecture's attention or MLP
+    where it differs (Qwen3's q/k norms, Phi-3's single-tensor projections)."""
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        layer: int,
+        rotary: RotaryEmbedding,
+        self_attn: LlamaAttention,
+        mlp: LlamaMLP,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, stored)
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, stored)
+        self.mlp = mlp
         self.parts = LayerParts(
             input_norm=self.input_layernorm,
-            qkv=self.self_attn.qkv_proj,
-            o=self.self_attn.o_proj,
+            qkv=self_attn.qkv_proj,
+            o=self_attn.o_proj,
             mlp_norm=self.post_attention_layernorm,
-            gate_up=self.mlp.gate_up_proj,
-            down=self.mlp.down_proj,
+            gate_up=mlp.gate_up_proj,
+            down=mlp.down_proj,
             rotary=rotary,
+            q_norm=self_attn.q_norm,
+            k_norm=self_attn.k_norm,
         )
         self.shape = llama_shape(config, layer)
 
@@ -78,10 +98,19 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, config: DecoderConfig, stored: bool = False) -> None:
         super().__init__(config, stored)
-        self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
+        self.rotary = self.make_rotary(config)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, stored, i, self.rotary) for i in range(config.num_hidden_layers)]
+            [self.make_layer(config, stored, i) for i in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_rotary(self, config: DecoderConfig) -> RotaryEmbedding:
+        return RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+
+    def make_layer(self, config: DecoderConfig, stored: bool, layer: int) -> LlamaDecoderLayer:
+        """Layer `layer`; an architecture that differs from Llama only inside its attention or MLP
+        overrides this."""
+        attention, mlp = LlamaAttention(config, stored), LlamaMLP(config, stored)
+        return LlamaDecoderLayer(config, layer, self.rotary, attention, mlp)

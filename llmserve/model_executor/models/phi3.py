@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from torch import nn
-
-from llmserve.model_executor.layers.decoder_layer import DecoderLayer, LayerParts
-from llmserve.model_executor.layers.layernorm import RMSNorm
-from llmserve.model_executor.layers.linear import Linear
 from llmserve.model_executor.layers.rotary_embedding import RotaryEmbedding
-from llmserve.model_executor.loader.gguf_file import GGUFHeader
-from llmserve.model_executor.models.causal_lm import CausalLM
 from llmserve.model_executor.models.decoder_config import DecoderConfig
-from llmserve.model_executor.models.llama import llama_shape
+from llmserve.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+
+if TYPE_CHECKING:
+    from llmserve.model_executor.loader.gguf_file import GGUFHeader
 
 
 @dataclass(frozen=True)
@@ -59,61 +55,25 @@ class Phi3Config(DecoderConfig):
         raise ValueError(f"{header.path}: Phi-3 GGUF files are not supported; use the Hugging Face folder.")
 
 
-class Phi3Attention(nn.Module):
-    def __init__(self, config: DecoderConfig, stored: bool) -> None:
-        super().__init__()
-        q_size = config.num_attention_heads * config.head_dim
-        width = q_size + 2 * config.num_key_value_heads * config.head_dim
-        self.qkv_proj = Linear(config.hidden_size, width, False, stored)  # one checkpoint tensor: q|k|v
-        self.o_proj = Linear(q_size, config.hidden_size, False, stored)
-
-
-class Phi3MLP(nn.Module):
-    def __init__(self, config: DecoderConfig, stored: bool) -> None:
-        super().__init__()
-        # one checkpoint tensor: gate | up
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, stored)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, stored)
-
-
-class Phi3DecoderLayer(DecoderLayer):
-    def __init__(self, config: DecoderConfig, stored: bool, layer: int, rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Phi3Attention(config, stored)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = Phi3MLP(config, stored)
-        self.parts = LayerParts(
-            input_norm=self.input_layernorm,
-            qkv=self.self_attn.qkv_proj,
-            o=self.self_attn.o_proj,
-            mlp_norm=self.post_attention_layernorm,
-            gate_up=self.mlp.gate_up_proj,
-            down=self.mlp.down_proj,
-            rotary=rotary,
-        )
-        self.shape = llama_shape(config, layer)
-
-
-class Phi3ForCausalLM(CausalLM):
+class Phi3ForCausalLM(LlamaForCausalLM):
     config_class = Phi3Config
+    fused_shards = {}  # the checkpoint's qkv_proj and gate_up_proj are ours as they are
 
     @classmethod
     def fused_decode_layer(cls, config: DecoderConfig) -> bool:
         """decoder_step.c rotates whole heads; Phi-4-mini rotates 3/4 of each, so it decodes op by op."""
         return isinstance(config, Phi3Config) and config.rotary_dim == config.head_dim
 
-    def __init__(self, config: DecoderConfig, stored: bool = False) -> None:
-        super().__init__(config, stored)
+    def make_rotary(self, config: DecoderConfig) -> RotaryEmbedding:
         assert isinstance(config, Phi3Config)
-        self.rotary = RotaryEmbedding(
+        return RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,
             config.rope_theta,
             config.rope_scaling,
             rotary_dim=config.rotary_dim,
         )
-        self.layers = nn.ModuleList(
-            [Phi3DecoderLayer(config, stored, i, self.rotary) for i in range(config.num_hidden_layers)]
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_layer(self, config: DecoderConfig, stored: bool, layer: int) -> LlamaDecoderLayer:
+        attention, mlp = LlamaAttention(config, stored, shards=1), LlamaMLP(config, stored, shards=1)
+        return LlamaDecoderLayer(config, layer, self.rotary, attention, mlp)
