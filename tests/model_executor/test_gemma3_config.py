@@ -33,7 +33,7 @@ from llmserve.model_executor.models.gemma3 import (
     Gemma3ForCausalLM,
 )
 from tests.e2e.greedy_reference import assert_matches_hf, assert_top_logprobs_match, hf_greedy
-from tests.fixtures.tiny_llama import VOCAB_SIZE, build_tokenizer
+from tests.fixtures.tiny_llama import VOCAB_SIZE, add_shape_keys, build_tokenizer
 
 WINDOW = 8
 LAYER_TYPES = [SLIDING, FULL, SLIDING]
@@ -84,12 +84,7 @@ def write_tiny_gemma3_gguf(path: Path, hf_folder: Path) -> Path:
     the keys its converter leaves out (the local RoPE base, the layer pattern) as llama.cpp reads them."""
     cfg = json.loads((hf_folder / "config.json").read_text())
     writer = GGUFWriter(path, "gemma3")
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    add_shape_keys(writer, cfg)
     writer.add_key_length(cfg["head_dim"])
     writer.add_value_length(cfg["head_dim"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
