@@ -45,7 +45,6 @@ class ModelRunner:
             decoder_config.architecture,
             model_cls.fused_decode_layer(decoder_config),
         )
-        self.native = self.plan.decode_attention == "paged_attention.c"
         for line in self.plan.describe():
             logger.info("%s", line)
         torch.manual_seed(model_config.seed)
@@ -59,6 +58,11 @@ class ModelRunner:
         self.block_size = 0
         self.inputs = InputBuffers()
         self._generators: dict[str, torch.Generator] = {}
+
+    @property
+    def native(self) -> bool:
+        """Decode attention reads the cache in C, which also takes a cache never cleared."""
+        return self.plan.decode_attention == "paged_attention.c"
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         c = self.config

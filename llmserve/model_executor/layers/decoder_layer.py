@@ -13,7 +13,7 @@ is defined once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,9 @@ from torch import nn
 from llmserve.model_executor.attention import AttentionMetadata, paged_attention
 from llmserve.model_executor.layers.linear import Linear
 from llmserve.model_executor.layers.rotary_embedding import RopeAngles, RotaryEmbedding, apply_rope
+
+if TYPE_CHECKING:
+    from llmserve.model_executor.models.decoder_config import DecoderConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [kv_heads, num_blocks, block_size, head_dim]
 Activation = Literal["silu", "gelu_tanh"]
@@ -53,6 +56,21 @@ class LayerShape:
     scale: float  # of the attention scores
     sliding_window: int | None
     activation: Activation
+
+    @classmethod
+    def of(
+        cls, config: DecoderConfig, layer: int, activation: Activation = "silu", scale: float | None = None
+    ) -> LayerShape:
+        """Layer `layer` of a model of this config; `scale` defaults to head_dim ** -0.5."""
+        return cls(
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            intermediate_size=config.intermediate_size,
+            scale=config.head_dim**-0.5 if scale is None else scale,
+            sliding_window=config.layer_window(layer),
+            activation=activation,
+        )
 
 
 class DecoderLayer(nn.Module):

@@ -189,15 +189,7 @@ class Gemma3DecoderLayer(DecoderLayer):
             attn_out_norm=self.post_attention_layernorm,
             mlp_out_norm=self.post_feedforward_layernorm,
         )
-        self.shape = LayerShape(
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=config.head_dim,
-            intermediate_size=config.intermediate_size,
-            scale=config.query_pre_attn_scalar**-0.5,
-            sliding_window=config.layer_window(layer),
-            activation="gelu_tanh",
-        )
+        self.shape = LayerShape.of(config, layer, "gelu_tanh", scale=config.query_pre_attn_scalar**-0.5)
 
 
 class Gemma3ForCausalLM(CausalLM):

@@ -50,18 +50,6 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, stored)
 
 
-def llama_shape(config: DecoderConfig, layer: int) -> LayerShape:
-    return LayerShape(
-        num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        intermediate_size=config.intermediate_size,
-        scale=config.head_dim**-0.5,
-        sliding_window=config.layer_window(layer),
-        activation="silu",
-    )
-
-
 class LlamaDecoderLayer(DecoderLayer):
     """Llama's modules under their checkpoint names, around another architecture's attention or MLP
     where it differs (Qwen3's q/k norms, Phi-3's single-tensor projections)."""
@@ -90,7 +78,7 @@ class LlamaDecoderLayer(DecoderLayer):
             q_norm=self_attn.q_norm,
             k_norm=self_attn.k_norm,
         )
-        self.shape = llama_shape(config, layer)
+        self.shape = LayerShape.of(config, layer)
 
 
 class LlamaForCausalLM(CausalLM):
