@@ -25,10 +25,11 @@ KV_HEADS = 2
 
 
 def reference_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int | None = None
 ) -> torch.Tensor:
     """One sequence in fp64: q [q_len, heads, d] are the last q_len of the kv_len positions whose keys and
-    values are [kv_len, kv_heads, d]; each query sees the keys up to its own position. → [q_len, heads, d]"""
+    values are [kv_len, kv_heads, d]; each query sees the keys up to its own position, only the last
+    `window` of them where there is one. → [q_len, heads, d]"""
     q_len, heads, _ = q.shape
     kv_len, kv_heads, _ = keys.shape
     group = heads // kv_heads  # query head h reads KV head h // group
@@ -36,8 +37,11 @@ def reference_attention(
     v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = q.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [heads, q_len, kv_len]
     query_pos = torch.arange(kv_len - q_len, kv_len)[:, None]
-    scores = scores.masked_fill(torch.arange(kv_len)[None, :] > query_pos, float("-inf"))
-    return (scores.softmax(dim=-1) @ v).transpose(0, 1)
+    key_pos = torch.arange(kv_len)[None, :]
+    hidden = key_pos > query_pos
+    if window is not None:
+        hidden |= key_pos <= query_pos - window
+    return (scores.masked_fill(hidden, float("-inf")).softmax(dim=-1) @ v).transpose(0, 1)
 
 
 def cached(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:

@@ -18,31 +18,13 @@ import torch
 from llmserve.model_executor.attention import AttentionMetadata, PrefillChunk, paged_attention
 from llmserve.model_executor.kernels import native
 from llmserve.scheduling.kv_cache_manager import KVCacheManager
+from tests.model_executor.test_native_attention import reference_attention
 from tests.scheduling.fake_requests import make_request
 
 pytestmark = pytest.mark.usefixtures("native_library")
 
 KV_HEADS = 2
 TOL = 1e-5  # absolute and relative
-
-
-def windowed_reference(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int | None
-) -> torch.Tensor:
-    """One sequence in fp64: q [q_len, heads, d] are the last q_len of the kv_len positions whose keys and
-    values are [kv_len, kv_heads, d]. → [q_len, heads, d]"""
-    q_len, heads, _ = q.shape
-    kv_len, kv_heads, _ = keys.shape
-    group = heads // kv_heads  # query head h reads KV head h // group
-    k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, kv_len, d]
-    v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [heads, q_len, kv_len]
-    query_pos = torch.arange(kv_len - q_len, kv_len)[:, None]
-    key_pos = torch.arange(kv_len)[None, :]
-    hidden = key_pos > query_pos
-    if window is not None:
-        hidden |= key_pos <= query_pos - window
-    return (scores.masked_fill(hidden, float("-inf")).softmax(dim=-1) @ v).transpose(0, 1)
 
 
 class PagedSequences:
@@ -107,7 +89,7 @@ def test_decode_equals_windowed_reference(
     scale = head_dim**-0.5
     cached = [seqs.cached(r, n) for r, n in enumerate(lens)]
     expected = torch.cat(
-        [windowed_reference(q[r : r + 1], *kv, scale, window) for r, kv in enumerate(cached)]
+        [reference_attention(q[r : r + 1], *kv, scale, window) for r, kv in enumerate(cached)]
     )
     # This step's token is the last cached one: written again to its own slot, unchanged.
     k, v = (torch.stack([kv[i][-1] for kv in cached]) for i in (0, 1))
@@ -147,7 +129,7 @@ def test_ragged_batch_equals_windowed_reference(
         rows = slice(start, start + total - first)
         context_k, context_v = seqs.cached(r, first)
         keys, values = torch.cat([context_k, k[rows]]), torch.cat([context_v, v[rows]])
-        expected.append(windowed_reference(q[rows], keys, values, scale, window))
+        expected.append(reference_attention(q[rows], keys, values, scale, window))
         start = rows.stop
     chunks, start = [], 2
     for r in range(2, len(news)):
@@ -319,7 +301,7 @@ def test_blocks_freed_behind_the_window_can_be_overwritten(native_decode: bool) 
 
         keys, values = (torch.cat([kv[j] for kv in history]) for j in (0, 1))
         torch.testing.assert_close(
-            out.double(), windowed_reference(q, keys, values, 0.2, window), rtol=TOL, atol=TOL
+            out.double(), reference_attention(q, keys, values, 0.2, window), rtol=TOL, atol=TOL
         )
         request.num_computed_tokens += n
     # The last step, from position 33, released the blocks of positions 0..27; others overwrote some.
