@@ -2,8 +2,9 @@
  * block_q8.c rounds them, against a weight's GGUF blocks, on CPUs with AVX-512 VNNI.
  *
  * Each thread unpacks a panel of NP output rows once into unsigned bytes, four consecutive weights of
- * one output per 32-bit lane (pack_panel), with a scale and an offset per 32 weights (per 16 in panels
- * with a Q6_K row); then every MR rows of x meet the panel in VNNI multiply-adds: one instruction takes
+ * one output per 32-bit lane (pack_panel: each row's values in a row of `rows`, then 16 rows' chunks at
+ * a time transposed in registers), with a scale and an offset per 32 weights (per 16 in panels with a
+ * Q6_K row); then every MR rows of x meet the panel in VNNI multiply-adds: one instruction takes
  * 4 weights x 16 outputs against 4 broadcast int8 activations, 64 products where an fp32 multiply-add
  * takes 16. The int32 sums of each 32 (16) weights are scaled into fp32 accumulators, and the offsets
  * (a type's centre or minimum) meet x's sums over the same weights. Elsewhere int8_gemm_available() is
@@ -24,6 +25,7 @@
 typedef struct {
     uint8_t *values;         /* [in / 4][NP][4]: weights as unsigned bytes (the type's centre added) */
     float *scales, *offsets; /* [in / unit][NP] */
+    uint8_t *rows;           /* [NP][in]: the same bytes row by row, before the transpose */
     int unit;                /* weights per scale: 32, or 16 where a row is Q6_K */
 } Panel;
 
@@ -42,15 +44,44 @@ INLINE void pack_row(int qtype, const uint8_t *row, int64_t chunks, int j, Panel
             v = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
         else if (qtype == Q6_K)
             v = _mm256_add_epi8(v, _mm256_set1_epi8(32));
-        uint32_t words[8];
-        _mm256_storeu_si256((__m256i *)words, v);
-        for (int g = 0; g < 8; g++)
-            memcpy(p->values + ((s * 8 + g) * NP + j) * 4, &words[g], 4);
+        _mm256_storeu_si256((__m256i *)(p->rows + j * (chunks * QK) + s * QK), v);
         const int per_chunk = QK / p->unit;
         for (int h = 0; h < per_chunk; h++) {
             p->scales[(per_chunk * s + h) * NP + j] = c.scale[h];
             p->offsets[(per_chunk * s + h) * NP + j] = centre != 0.0f ? centre * c.scale[h] : c.offset;
         }
+    }
+}
+
+/* Chunk s of rows[0..15] (stride `in` bytes) into the panel's values for outputs 16 h .. 16 h + 15: dword g
+ * of row j goes to lane j of vector g. Rows k and k + 8 share a register; an 8 x 8 dword transpose runs
+ * in each 256-bit half of the eight registers at once. */
+INLINE void transpose_chunk(const uint8_t *rows, int64_t in, int64_t s, int h, uint8_t *values)
+{
+    __m512i z[8], t[8], u[8];
+    for (int k = 0; k < 8; k++) {
+        const __m256i low = _mm256_loadu_si256((const __m256i *)(rows + k * in + s * QK));
+        const __m256i high = _mm256_loadu_si256((const __m256i *)(rows + (k + 8) * in + s * QK));
+        z[k] = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+    }
+    for (int k = 0; k < 8; k += 2) {
+        t[k] = _mm512_unpacklo_epi32(z[k], z[k + 1]);     /* rows k, k+1: dwords 0, 1 (4, 5) */
+        t[k + 1] = _mm512_unpackhi_epi32(z[k], z[k + 1]); /* dwords 2, 3 (6, 7) */
+    }
+    for (int k = 0; k < 8; k += 4) {
+        u[k / 4] = _mm512_unpacklo_epi64(t[k], t[k + 2]);         /* rows k .. k+3: dword 0 (4) */
+        u[k / 4 + 2] = _mm512_unpackhi_epi64(t[k], t[k + 2]);     /* dword 1 (5) */
+        u[k / 4 + 4] = _mm512_unpacklo_epi64(t[k + 1], t[k + 3]); /* dword 2 (6) */
+        u[k / 4 + 6] = _mm512_unpackhi_epi64(t[k + 1], t[k + 3]); /* dword 3 (7) */
+    }
+    /* u[2 d] holds rows 0-3 (and 8-11) of dwords d and d + 4, u[2 d + 1] rows 4-7 (12-15) */
+    const __m512i first = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
+    const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+    uint8_t *dst = values + (s * 8 * NP + 16 * h) * 4;
+    for (int d = 0; d < 4; d++) {
+        _mm512_storeu_si512((void *)(dst + d * NP * 4), _mm512_permutex2var_epi64(u[2 * d], first, u[2 * d + 1]));
+        _mm512_storeu_si512((void *)(dst + (d + 4) * NP * 4),
+                            _mm512_permutex2var_epi64(u[2 * d], second, u[2 * d + 1]));
     }
 }
 
@@ -81,6 +112,9 @@ static void pack_panel(const Weight *w, int64_t in, int64_t o0, int64_t out, Pan
             PACK_CASE(Q5_K) PACK_CASE(Q6_K)
         }
     }
+    for (int h = 0; h < NP / 16; h++)
+        for (int64_t s = 0; s < in / QK; s++)
+            transpose_chunk(p->rows + 16 * h * in, in, s, h, p->values);
 }
 
 /* y[r, j] (+)= x[r] . W[o0 + j] (+ bias) for MR rows of x (q, with their scales per 32 and sums per
@@ -123,12 +157,17 @@ __attribute__((target("avx512vnni"))) INLINE void panel_product(const Panel *p, 
             }
         }
     }
-    for (int64_t r = 0; r < rows; r++) {
-        float out[NP];
-        _mm512_storeu_ps(out, acc[r][0]);
-        _mm512_storeu_ps(out + 16, acc[r][1]);
-        for (int64_t j = 0; j < cols; j++)
-            y[r * y_stride + j] = (accumulate ? y[r * y_stride + j] : 0.0f) + out[j] + (bias ? bias[j] : 0.0f);
+    for (int h = 0; h < 2; h++) {
+        const int64_t n = cols - 16 * h;
+        const __mmask16 valid = n >= 16 ? 0xffff : n > 0 ? (__mmask16)((1u << n) - 1) : 0;
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(valid, bias + 16 * h) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < rows; r++) {
+            float *dst = y + r * y_stride + 16 * h;
+            __m512 v = _mm512_add_ps(acc[r][h], b);
+            if (accumulate)
+                v = _mm512_add_ps(_mm512_maskz_loadu_ps(valid, dst), v);
+            _mm512_mask_storeu_ps(dst, valid, v);
+        }
     }
 }
 #endif
@@ -144,7 +183,8 @@ int int8_gemm_available(void)
 
 int64_t int8_scratch_bytes(int64_t in)
 {
-    const int64_t bytes = in * 32 + (int64_t)sizeof(float) * 2 * (in / 16) * 32; /* a Panel's */
+    /* a Panel's (NP = 32): values and rows, then scales and offsets */
+    const int64_t bytes = 2 * in * 32 + (int64_t)sizeof(float) * 2 * (in / 16) * 32;
     return (bytes + 63) / 64 * 64; /* each thread's on a cache line of its own */
 }
 
@@ -167,7 +207,8 @@ void int8_gemm_share(const Int8Rows *x, const Weight *w, int64_t out, float *y, 
 {
 #ifdef VNNI_BUILD
     const int64_t in = x->in, units = in / 16;
-    Panel p = {scratch, (float *)(scratch + in * NP), (float *)(scratch + in * NP) + units * NP, QK};
+    float *scales = (float *)(scratch + in * NP);
+    Panel p = {scratch, scales, scales + units * NP, (uint8_t *)(scales + 2 * units * NP), QK};
 #pragma omp for schedule(dynamic, 1)
     for (int64_t o0 = 0; o0 < out; o0 += NP) {
         pack_panel(w, in, o0, out, &p);
