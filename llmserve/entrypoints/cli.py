@@ -9,6 +9,7 @@ import typing
 from collections.abc import Sequence
 
 from llmserve.config import EngineArgs
+from llmserve.entrypoints.chat_client import add_client_commands
 from llmserve.entrypoints.openai.server_args import add_server_args, server_args_from
 
 
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
+    add_client_commands(commands)
     return parser
 
 

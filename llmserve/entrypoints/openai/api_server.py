@@ -34,6 +34,7 @@ from llmserve.entrypoints.openai.errors import (
     install_error_handlers,
 )
 from llmserve.entrypoints.openai.limits import RequestBodyLimitMiddleware, head_timeout_protocol
+from llmserve.entrypoints.openai.playground import mount_playground
 from llmserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -91,7 +92,8 @@ def bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
 
 
 class ApiKeyMiddleware:
-    """`/v1/*` needs `Authorization: Bearer <key>`; the rest (health, metrics, tokenize) stays open.
+    """`/v1/*` needs `Authorization: Bearer <key>`; the rest (health, metrics, tokenize, the
+    playground's page, whose API calls carry the key) stays open.
     Header values are bytes: a non-ASCII key matches as UTF-8 (curl, most clients) or Latin-1 (the
     HTTP default). Plain ASGI, not Starlette's `BaseHTTPMiddleware`, which would hide client
     disconnects."""
@@ -222,6 +224,8 @@ def build_app(
         body = await tokenization.run_blocking(lambda: tokenization.detokenize(request).model_dump_json())
         return Response(body, media_type="application/json")
 
+    if not args.disable_playground:
+        mount_playground(app)
     return app
 
 

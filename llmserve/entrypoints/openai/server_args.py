@@ -35,6 +35,7 @@ class ServerArgs:
     # vLLM's tool calling flags: `tool_choice: "auto"` reads calls out of the text with this parser
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    disable_playground: bool = False  # no web page at `/`: the API alone
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -135,6 +136,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="let the model decide when to call tools (tool_choice 'auto', the default with tools); "
         "needs --tool-call-parser",
     )
+    parser.add_argument(
+        "--disable-playground", action="store_true", help="serve the API alone, without the web page at /"
+    )
 
 
 def server_args_from(ns: argparse.Namespace) -> ServerArgs:
@@ -154,4 +158,5 @@ def server_args_from(ns: argparse.Namespace) -> ServerArgs:
         max_num_queued_tokens=ns.max_num_queued_tokens,
         tool_call_parser=ns.tool_call_parser,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        disable_playground=ns.disable_playground,
     )
