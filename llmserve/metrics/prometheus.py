@@ -1,121 +1,215 @@
 """Engine stats as Prometheus metrics, for the server's `/metrics`. Names follow vLLM's, prefixed
-`llmserve:`, so existing dashboards need only the prefix changed."""
+`llmserve:`, so existing dashboards need only the prefix changed; the few that routers read (llm-d's
+endpoint picker, vllm-router, the Gateway API inference extension) are exported under vLLM's own
+`vllm:` names as well, with vLLM's meaning and labels.
+
+Every series carries `model_name` and `engine`: the data-parallel rank ("0".."N-1"), as vLLM labels
+them. With more than one rank our gauges also carry a server-wide series, `engine="all"`; vLLM's names
+carry only the ranks, as vLLM's do."""
 
 from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from llmserve.engine.messages import SchedulerStats
 from llmserve.metrics.stats import IterationStats
 
-# Bucket bounds in seconds: from a fast GPU's first token up to a long CPU generation.
+# Bucket bounds in seconds: every bound of vLLM's own histograms, so that a query written for vLLM's
+# `le` values finds them; E2E adds 0.1 s, which a small model on a fast machine reaches.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                10.0, 20.0)  # fmt: skip
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-               240.0, 480.0, 960.0, 1920.0)  # fmt: skip
+               240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 FINISH_REASONS = ("stop", "length", "abort")
+ALL_ENGINES = "all"
+LABELS = ("model_name", "engine")
+
+
+class Kind(enum.Enum):
+    GAUGE = "gauge"
+    COUNTER = "counter"  # prometheus_client appends `_total` to the name
+    HISTOGRAM = "histogram"
+
+
+class ServerWide(enum.Enum):
+    """How a gauge's `engine="all"` series combines the ranks' values (the value is its help text)."""
+
+    SUM = "the sum over ranks"
+    MEAN = "the mean over ranks, each weighted equally"
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric: `name` after `llmserve:`, and `vllm_name` (in full) where routers read it under
+    vLLM's name too. `core_field` names the `SchedulerStats` field it reads: a gauge's value, or a
+    counter's total since the core started (the counter takes each increase). A gauge with
+    `server_wide` has an `engine="all"` series under our name."""
+
+    name: str
+    vllm_name: str | None
+    help: str
+    kind: Kind
+    core_field: str | None = None
+    server_wide: ServerWide | None = None
+    buckets: tuple[float, ...] = ()
+    extra_label: str | None = None
+
+    @property
+    def labelnames(self) -> list[str]:
+        return [*LABELS, self.extra_label] if self.extra_label else list(LABELS)
+
+    @property
+    def our_help(self) -> str:
+        return (
+            self.help if self.server_wide is None else f'{self.help} engine="all": {self.server_wide.value}.'
+        )
+
+
+# vLLM also has `vllm:lora_requests_info`, which llm-d's endpoint picker reads for LoRA affinity;
+# vLLM registers it only when LoRA is configured. We serve no LoRA adapters, so, like vLLM without
+# LoRA, we emit nothing under that name.
+METRICS = (
+    MetricSpec("num_requests_running", "vllm:num_requests_running", "Requests in the running batch.",
+               Kind.GAUGE, "num_running_reqs", ServerWide.SUM),
+    MetricSpec("num_requests_waiting", "vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+               Kind.GAUGE, "num_waiting_reqs", ServerWide.SUM),
+    MetricSpec("kv_cache_usage_perc", "vllm:kv_cache_usage_perc",
+               "Fraction of KV cache blocks in use (1 = full).", Kind.GAUGE, "kv_cache_usage",
+               ServerWide.MEAN),
+    MetricSpec("num_preemptions", "vllm:num_preemptions", "Requests preempted for lack of KV blocks.",
+               Kind.COUNTER, "num_preemptions"),
+    MetricSpec("prompt_tokens", "vllm:prompt_tokens", "Prompt tokens prefilled.", Kind.COUNTER),
+    MetricSpec("generation_tokens", "vllm:generation_tokens", "Tokens generated.", Kind.COUNTER),
+    MetricSpec("prefix_cache_queries", None, "Prompt tokens looked up in the prefix cache.", Kind.COUNTER,
+               "prefix_cache_queries"),
+    MetricSpec("prefix_cache_hits", None, "Prompt tokens found in the prefix cache.", Kind.COUNTER,
+               "prefix_cache_hits"),
+    MetricSpec("request_success", "vllm:request_success", "Finished requests, by finish reason.",
+               Kind.COUNTER, extra_label="finished_reason"),
+    MetricSpec("time_to_first_token_seconds", "vllm:time_to_first_token_seconds", "Time to first token.",
+               Kind.HISTOGRAM, buckets=TTFT_BUCKETS),
+    MetricSpec("inter_token_latency_seconds", None, "Time between two output tokens of a request.",
+               Kind.HISTOGRAM, buckets=ITL_BUCKETS),
+    MetricSpec("e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds",
+               "Time from arrival to the last token.", Kind.HISTOGRAM, buckets=E2E_BUCKETS),
+)  # fmt: skip
+GAUGE_SPECS = [spec for spec in METRICS if spec.kind is Kind.GAUGE]
+CORE_COUNTER_SPECS = [spec for spec in METRICS if spec.kind is Kind.COUNTER and spec.core_field]
+
+M = TypeVar("M", Gauge, Counter, Histogram)
+
+
+class Twin(Generic[M]):
+    """One metric under our name and, where routers read it, vLLM's: every update goes to both, so
+    the two never disagree."""
+
+    def __init__(self, ours: M, vllm: M | None) -> None:
+        self.ours: M = ours
+        self.vllm: M | None = vllm
+
+    def labels(self, *values: str) -> list[M]:
+        """The series of `values` in both metrics (created, at 0, the first time)."""
+        return [m.labels(*values) for m in (self.ours, self.vllm) if m is not None]
+
+
+def twins(kind: Kind, new: Callable[[MetricSpec, str, str], M]) -> dict[str, Twin[M]]:
+    """The table's metrics of `kind`, each made by `new(spec, name, help)` under our name and vLLM's."""
+    return {
+        spec.name: Twin(
+            new(spec, f"llmserve:{spec.name}", spec.our_help),
+            new(spec, spec.vllm_name, spec.help) if spec.vllm_name else None,
+        )
+        for spec in METRICS
+        if spec.kind is kind
+    }
 
 
 class PrometheusStatLogger:
-    """A stat logger for `AsyncLLM(stat_loggers=[...])`. Its metrics live in its own registry, not the
+    """A stat logger for `AsyncLLM(stat_loggers=[...])`, shared by all `num_engines` data-parallel
+    ranks: `record` takes the rank that sent the stats. Its metrics live in its own registry, not the
     process-wide default one, so several engines in one process (tests) never collide."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
+    def __init__(
+        self, model_name: str, registry: CollectorRegistry | None = None, num_engines: int = 1
+    ) -> None:
+        if num_engines < 1:
+            raise ValueError(f"num_engines must be at least 1, got {num_engines}")
+        self.registry = r = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
-        r, labels = self.registry, ["model_name"]
-        self.running = Gauge(
-            "llmserve:num_requests_running", "Requests in the running batch.", labels, registry=r
+        self.num_engines = num_engines
+        self.gauges = twins(Kind.GAUGE, lambda s, name, doc: Gauge(name, doc, s.labelnames, registry=r))
+        self.counters = twins(Kind.COUNTER, lambda s, name, doc: Counter(name, doc, s.labelnames, registry=r))
+        self.histograms = twins(
+            Kind.HISTOGRAM,
+            lambda s, name, doc: Histogram(name, doc, s.labelnames, buckets=s.buckets, registry=r),
         )
-        self.waiting = Gauge("llmserve:num_requests_waiting", "Requests waiting to run.", labels, registry=r)
-        self.kv_cache_usage = Gauge(
-            "llmserve:kv_cache_usage_perc",
-            "Fraction of KV cache blocks in use (1 = full).",
-            labels,
-            registry=r,
-        )
-        self.preemptions = Counter(
-            "llmserve:num_preemptions", "Requests preempted for lack of KV blocks.", labels, registry=r
-        )
-        self.prompt_tokens = Counter("llmserve:prompt_tokens", "Prompt tokens prefilled.", labels, registry=r)
-        self.generation_tokens = Counter(
-            "llmserve:generation_tokens", "Tokens generated.", labels, registry=r
-        )
-        self.prefix_cache_queries = Counter(
-            "llmserve:prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache.",
-            labels,
-            registry=r,
-        )
-        self.prefix_cache_hits = Counter(
-            "llmserve:prefix_cache_hits",
-            "Prompt tokens found in the prefix cache.",
-            labels,
-            registry=r,
-        )
-        self.request_success = Counter(
-            "llmserve:request_success",
-            "Finished requests, by finish reason.",
-            [*labels, "finished_reason"],
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "llmserve:time_to_first_token_seconds",
-            "Time to first token.",
-            labels,
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "llmserve:inter_token_latency_seconds",
-            "Time between two output tokens of a request.",
-            labels,
-            buckets=ITL_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "llmserve:e2e_request_latency_seconds",
-            "Time from arrival to the last token.",
-            labels,
-            buckets=E2E_BUCKETS,
-            registry=r,
-        )
-        # `SchedulerStats`' fields that the core counts since it started: each counter takes the increase.
-        self._from_core = {
-            "num_preemptions": self.preemptions,
-            "prefix_cache_queries": self.prefix_cache_queries,
-            "prefix_cache_hits": self.prefix_cache_hits,
-        }
-        self._core_seen = dict.fromkeys(self._from_core, 0)
-        # Present (at 0) from the start, so rates work from the first scrape.
-        for counter in (*self._from_core.values(), self.prompt_tokens, self.generation_tokens):
-            counter.labels(model_name)
-        for reason in FINISH_REASONS:
-            self.request_success.labels(model_name, reason)
+        # Per rank: the gauges' last values (for the "all" series) and the core's last totals.
+        self._gauge_values = {spec.name: [0.0] * num_engines for spec in GAUGE_SPECS}
+        self._core_seen = {spec.name: [0] * num_engines for spec in CORE_COUNTER_SPECS}
+        # Every series present (at 0) from the start, so that rates work from the first scrape.
+        by_rank: list[Twin[Any]] = [*self.gauges.values(), *self.counters.values(), *self.histograms.values()]
+        by_rank.remove(self.counters["request_success"])
+        for rank in map(str, range(num_engines)):
+            for twin in by_rank:
+                twin.labels(model_name, rank)
+            for reason in FINISH_REASONS:
+                self.counters["request_success"].labels(model_name, rank, reason)
+        # With one rank the "all" series would repeat it, and double any sum() over the gauge.
+        self._server_wide = num_engines > 1
+        for spec in GAUGE_SPECS:
+            if spec.server_wide is not None and self._server_wide:
+                self.gauges[spec.name].ours.labels(model_name, ALL_ENGINES)
 
-    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats) -> None:
-        name = self.model_name
+    def record(
+        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats, engine_index: int = 0
+    ) -> None:
+        if not 0 <= engine_index < self.num_engines:
+            raise ValueError(f"engine_index {engine_index} is not a rank of {self.num_engines} engines")
+        labels = (self.model_name, str(engine_index))
+        counters, histograms = self.counters, self.histograms
         if scheduler_stats is not None:
-            self.running.labels(name).set(scheduler_stats.num_running_reqs)
-            self.waiting.labels(name).set(scheduler_stats.num_waiting_reqs)
-            self.kv_cache_usage.labels(name).set(scheduler_stats.kv_cache_usage)
-            for field, counter in self._from_core.items():
-                total = getattr(scheduler_stats, field)
-                if total > self._core_seen[field]:
-                    counter.labels(name).inc(total - self._core_seen[field])
-                    self._core_seen[field] = total
-        self.prompt_tokens.labels(name).inc(iteration_stats.num_prompt_tokens)
-        self.generation_tokens.labels(name).inc(iteration_stats.num_generation_tokens)
-        ttft, itl, e2e = self.ttft.labels(name), self.itl.labels(name), self.e2e.labels(name)
-        for seconds in iteration_stats.time_to_first_tokens:
-            ttft.observe(seconds)
-        for seconds in iteration_stats.inter_token_latencies:
-            itl.observe(seconds)
+            self._record_gauges(scheduler_stats, engine_index)
+            for spec in CORE_COUNTER_SPECS:
+                total, seen = getattr(scheduler_stats, str(spec.core_field)), self._core_seen[spec.name]
+                if total > seen[engine_index]:
+                    for counter in counters[spec.name].labels(*labels):
+                        counter.inc(total - seen[engine_index])
+                    seen[engine_index] = total
+        for counter in counters["prompt_tokens"].labels(*labels):
+            counter.inc(iteration_stats.num_prompt_tokens)
+        for counter in counters["generation_tokens"].labels(*labels):
+            counter.inc(iteration_stats.num_generation_tokens)
+        observations = {
+            "time_to_first_token_seconds": iteration_stats.time_to_first_tokens,
+            "inter_token_latency_seconds": iteration_stats.inter_token_latencies,
+            "e2e_request_latency_seconds": [f.e2e_latency for f in iteration_stats.finished_requests],
+        }
+        for name, seconds in observations.items():
+            for histogram in histograms[name].labels(*labels):
+                for value in seconds:
+                    histogram.observe(value)
         for finished in iteration_stats.finished_requests:
-            self.request_success.labels(name, finished.finish_reason).inc()
-            e2e.observe(finished.e2e_latency)
+            for counter in counters["request_success"].labels(*labels, finished.finish_reason):
+                counter.inc()
+
+    def _record_gauges(self, stats: SchedulerStats, engine_index: int) -> None:
+        """The rank's gauges, then the server-wide series that its value changes."""
+        for spec in GAUGE_SPECS:
+            values = self._gauge_values[spec.name]
+            values[engine_index] = float(getattr(stats, str(spec.core_field)))
+            for gauge in self.gauges[spec.name].labels(self.model_name, str(engine_index)):
+                gauge.set(values[engine_index])
+            if spec.server_wide is not None and self._server_wide:
+                total = sum(values)
+                server_wide = total / len(values) if spec.server_wide is ServerWide.MEAN else total
+                self.gauges[spec.name].ours.labels(self.model_name, ALL_ENGINES).set(server_wide)
 
     def maybe_log(self) -> None:
         """Nothing to push: Prometheus scrapes `render()`."""

@@ -459,7 +459,7 @@ async def test_50_concurrent_streams_10_disconnect(server: RemoteServer) -> None
         ):
             assert _metric(metrics, f"{name}_count") > 0
         assert _metric(metrics, "generation_tokens_total") >= 40 * 16
-        assert 'llmserve:request_success_total{finished_reason="length"' in metrics
+        assert 'llmserve:request_success_total{engine="0",finished_reason="length"' in metrics
 
 
 def test_top5_logprobs_equal_transformers(
@@ -524,3 +524,10 @@ def test_continuous_usage_stats_count_tokens_in_every_chunk(server: RemoteServer
         if choice.get("text") or choice.get("delta", {}).get("content")
     )
     assert streamed > 1  # several chunks, each with its running count
+
+
+def test_embeddings_on_a_generate_server_are_a_400(server: RemoteServer) -> None:
+    body = {"model": MODEL, "input": "Hello"}
+    response = httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+    assert "runner pooling" in response.json()["error"]["message"]

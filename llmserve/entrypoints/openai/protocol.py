@@ -147,6 +147,10 @@ class SamplingRequest(OpenAIRequest):
         "length_penalty": (1.0,),  # beam search's only
         # true (the default) decodes as vLLM's fast detokenizer does, as ours does
         "spaces_between_special_tokens": (True,),
+        # vllm-router (an SGLang router) adds SGLang's fields to every body it forwards, at their
+        # defaults: stop strings trimmed, no hidden states
+        "no_stop_trim": (False,),
+        "return_hidden_states": (False,),
     }
 
     model: str | None = None  # None: the first served model name
@@ -182,12 +186,16 @@ class SamplingRequest(OpenAIRequest):
     priority: StrictInt = 0  # vLLM's extra: lower is scheduled first (--scheduling-policy priority only)
     response_format: ResponseFormat | None = None  # vLLM reads it on completions too
     structured_outputs: StructuredOutputsRequest | None = None  # vLLM's
+    # the rank that must serve the request, from vLLM's X-data-parallel-rank header (data_parallel.py)
+    data_parallel_rank: SkipJsonSchema[int | None] = None
     guided_json: SkipJsonSchema[Any] = None  # each guided_* field is refused (see REPLACED_FIELDS)
     guided_regex: SkipJsonSchema[Any] = None
     guided_choice: SkipJsonSchema[Any] = None
     guided_grammar: SkipJsonSchema[Any] = None
     guided_whitespace_pattern: SkipJsonSchema[Any] = None
     guided_decoding_backend: SkipJsonSchema[Any] = None
+    no_stop_trim: SkipJsonSchema[bool] = False  # see `harmless`
+    return_hidden_states: SkipJsonSchema[bool] = False
 
     @property
     def include_usage(self) -> bool:
@@ -439,6 +447,11 @@ class ChatCompletionRequest(SamplingRequest):
         "prediction": _UNSET,
         "reasoning_effort": _UNSET,
         "web_search_options": _UNSET,
+        # vllm-router's, at their defaults (see SamplingRequest): a model without a reasoning parser
+        # has no reasoning to include, separate or stream
+        "include_reasoning": (True,),
+        "separate_reasoning": (True,),
+        "stream_reasoning": (True,),
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -467,6 +480,9 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # template variables
     documents: list[dict[str, str]] | None = None  # the template's `documents` (RAG)
     echo: bool = False  # the reply starts with the last message, when that is the assistant's
+    include_reasoning: SkipJsonSchema[bool] = True  # see `harmless`
+    separate_reasoning: SkipJsonSchema[bool] = True
+    stream_reasoning: SkipJsonSchema[bool] = True
 
     @field_validator("tool_choice", mode="before")
     @classmethod
