@@ -7,6 +7,8 @@ imports nothing but the standard library and the peer.
 
 stdin: {"peer": "llama-cpp" | "vllm", "model", "prompts": [[token ids]], "output_len", "threads", "dtype"}.
 stdout: a last line `PEER_RESULT {"elapsed": seconds, "output_tokens": n}` (the peers log to stdout too).
+For sentence-transformers (the embeddings benchmark): {"peer": "sentence-transformers", "model" (its
+folder), "sentences": [str], "batch_size", "threads"} → `PEER_RESULT {"elapsed": seconds, "sentences": n}`.
 """
 
 from __future__ import annotations
@@ -76,7 +78,24 @@ def run_vllm(job: dict[str, Any]) -> dict[str, float]:
     return {"elapsed": elapsed, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs)}
 
 
-RUNNERS = {"llama-cpp": run_llama_cpp, "vllm": run_vllm}
+def run_sentence_transformers(job: dict[str, Any]) -> dict[str, float]:
+    """sentence-transformers' `encode`, as its users call it: its own tokenizing, sorting by length,
+    padding to each batch's longest, pooling and normalising, `batch_size` sentences at a time."""
+    import torch
+
+    torch.set_num_threads(int(job["threads"]))
+    from sentence_transformers import SentenceTransformer
+
+    sentences: list[str] = job["sentences"]
+    batch_size = int(job["batch_size"])
+    model = SentenceTransformer(job["model"], device="cpu")
+    model.encode(sentences[:batch_size], batch_size=batch_size)  # warm up
+    start = time.perf_counter()
+    vectors = model.encode(sentences, batch_size=batch_size)
+    return {"elapsed": time.perf_counter() - start, "sentences": float(len(vectors))}
+
+
+RUNNERS = {"llama-cpp": run_llama_cpp, "vllm": run_vllm, "sentence-transformers": run_sentence_transformers}
 
 
 def main() -> None:

@@ -39,7 +39,9 @@ class StatsProbe:
     def __init__(self) -> None:
         self.latest = SchedulerStats()
 
-    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats) -> None:
+    def record(
+        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats, engine_index: int = 0
+    ) -> None:
         if scheduler_stats is not None:
             self.latest = scheduler_stats
 

@@ -23,6 +23,7 @@ PEER_VARIABLES = {
     "--vllm-python": "$VLLM_PYTHON",
     "--llama-batched-bench": "$LLAMA_CPP_BIN/llama-batched-bench",
     "--llama-server": "$LLAMA_CPP_BIN/llama-server",
+    "--st-python": "$ST_PYTHON",
 }
 
 

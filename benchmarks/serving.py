@@ -7,6 +7,13 @@ default) against our OpenAI-compatible server and, on the same GGUF, against lla
         --llama-cpp-python $LLAMA_CPP_PYTHON
     .venv/bin/python -m benchmarks.serving --llama-server $LLAMA_CPP_BIN/llama-server
     .venv/bin/python -m benchmarks.serving --base-url http://127.0.0.1:8000/v1 --concurrency 8
+    .venv/bin/python -m benchmarks.serving --data-parallel-size 2 1 --concurrency 32
+
+`--data-parallel-size 2 1` starts our server twice, one after the other: with 2 engine-core ranks, then
+with 1, each rank computing with the cores divided among the ranks (`--num-threads`); the first is
+compared with the others. For each of our servers it also reports the resident memory of its process
+tree after the load: RSS summed over the processes (pages they share, such as the mapped weights,
+counted in each) and PSS summed (shared pages split among them: what the setup really holds).
 
 Without --base-url it starts our server on a free port; each server is stopped before the next starts,
 so no two share the cores. At each concurrency C, C streams each send --requests-per-stream requests
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import sys
@@ -32,6 +40,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import psutil
 
 from benchmarks.machine import warn_if_busy
 from benchmarks.peers import engine_threads, executable, gguf_of, interpreter_with
@@ -79,6 +88,7 @@ class Report:
     itl_p50: float
     output_tokens_per_s: float
     requests_per_s: float
+    memory_gib: dict[str, float] = field(default_factory=dict)  # of our server's processes, after the load
 
     @classmethod
     def of(cls, name: str, results: list[RequestResult], duration: float) -> Report:
@@ -103,6 +113,7 @@ class Report:
             "ITL p50 (ms)": self.itl_p50 * 1e3,
             "output tokens/s": self.output_tokens_per_s,
             "requests/s": self.requests_per_s,
+            **{f"{kind} (GiB)": gib for kind, gib in self.memory_gib.items()},
         }
 
 
@@ -183,22 +194,51 @@ def discover_model(base_url: str) -> str:
 
 
 def serve(
-    name: str, command: list[str], port: int, levels: list[Workload], ready: str = "/v1/models"
+    name: str,
+    command: list[str],
+    port: int,
+    levels: list[Workload],
+    ready: str = "/v1/models",
+    measure_memory: bool = False,
 ) -> list[Report]:
-    """Start a server, run every level against it, stop it."""
+    """Start a server, run every level against it (then read its memory, where asked), stop it."""
     with running(name, command, port, ready) as url:
-        return run_levels(name, url, discover_model(url), levels)
+        reports = run_levels(name, url, discover_model(url), levels)
+        if measure_memory:
+            memory = tree_memory(port)
+            reports = [dataclasses.replace(r, memory_gib=memory) for r in reports]
+        return reports
 
 
-def ours(args: argparse.Namespace, levels: list[Workload]) -> tuple[str, list[Report]]:
-    """Against --base-url if given, else against a server we start and stop. Returns the model too."""
+def tree_memory(port: int) -> dict[str, float]:
+    """RSS and PSS, in GiB, summed over the server listening on `port` and its children (engine cores)."""
+    server = next(p for p in psutil.Process().children() if str(port) in p.cmdline())
+    processes = [server, *server.children(recursive=True)]
+    return {
+        "RSS": sum(p.memory_info().rss for p in processes) / 2**30,
+        "PSS": sum(p.memory_full_info().pss for p in processes) / 2**30,
+    }
+
+
+def ours(args: argparse.Namespace, levels: list[Workload]) -> tuple[str, list[list[Report]]]:
+    """Against --base-url if given, else against a server we start and stop (one per data-parallel size
+    asked for). Returns the model too."""
     if args.base_url:
         url = args.base_url.rstrip("/")
         model = args.model or discover_model(url)
-        return model, run_levels("llmserve", url, model, levels)
-    port, model = free_port(), args.model or DEFAULT_MODEL
-    command = llmserve_command(model, port, args.dtype, args.quantization)
-    return model, serve("llmserve", command, port, levels)
+        return model, [run_levels("llmserve", url, model, levels)]
+    model = args.model or DEFAULT_MODEL
+    runs = []
+    for size in args.data_parallel_size or [None]:
+        port = free_port()
+        command = llmserve_command(model, port, args.dtype, args.quantization)
+        name = "llmserve"
+        if size is not None:
+            threads = max(1, engine_threads() // size)
+            command += ["--data-parallel-size", str(size), "--num-threads", str(threads)]
+            name = f"llmserve DP={size}x{threads}t"
+        runs.append(serve(name, command, port, levels, measure_memory=True))
+    return model, runs
 
 
 def peers(args: argparse.Namespace, model: str, levels: list[Workload]) -> list[list[Report]]:
@@ -260,6 +300,9 @@ def parse_args() -> argparse.Namespace:
         "--llama-server", type=executable, default=None, help="llama.cpp's llama-server binary"
     )
     parser.add_argument("--gguf", default=None, help="the GGUF for the peers (default: the served model's)")
+    parser.add_argument(
+        "--data-parallel-size", type=int, nargs="+", default=None, help="ranks of our servers, first compared"
+    )
     add_json_arg(parser)
     return parser.parse_args()
 
@@ -276,7 +319,7 @@ def main() -> None:
     theirs = peers(args, model, levels)
     rows = []
     for i, workload in enumerate(levels):
-        reports = [mine[i], *(peer[i] for peer in theirs)]
+        reports = [*(server[i] for server in mine), *(peer[i] for peer in theirs)]
         print(f"\n{workload}")
         print_reports(reports)
         rows.append({"workload": asdict(workload), "reports": [asdict(r) for r in reports]})

@@ -48,7 +48,7 @@ from benchmarks.peers import (
     run_peer,
 )
 from benchmarks.results import add_json_arg, write_results
-from llmserve import LLM, RequestOutputKind, SamplingParams
+from llmserve import LLM, RequestOutput, RequestOutputKind, SamplingParams
 from llmserve.engine.input_processor import TokensPrompt
 from llmserve.model_executor.loader import load_model_config, resolve_model
 
@@ -125,6 +125,7 @@ def timed_run(llm: LLM, work: Workload, tag: str) -> Timing:
     generated, decode_start, before_decode = 0, 0.0, 0
     while engine.has_unfinished_requests():
         for output in engine.step():
+            assert isinstance(output, RequestOutput)  # a generate engine's
             generated += len(output.outputs[0].token_ids)
             started.add(output.request_id)
         if not decode_start and len(started) == len(work.prompts):

@@ -18,13 +18,27 @@ _EXPORTS = {
     "RequestOutputKind": "llmserve.sampling_params",
     "RequestOutput": "llmserve.outputs",
     "CompletionOutput": "llmserve.outputs",
+    "PoolingParams": "llmserve.pooling_params",
+    "PoolingRequestOutput": "llmserve.outputs",
+    "EmbeddingRequestOutput": "llmserve.outputs",
 }
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "SamplingParams",
+    "RequestOutputKind",
+    "RequestOutput",
+    "CompletionOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
+    "EmbeddingRequestOutput",
+]
 
 if TYPE_CHECKING:
     from llmserve.engine.async_llm import AsyncLLM
     from llmserve.entrypoints.llm import LLM
-    from llmserve.outputs import CompletionOutput, RequestOutput
+    from llmserve.outputs import CompletionOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+    from llmserve.pooling_params import PoolingParams
     from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
 

@@ -17,6 +17,12 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 Quantization = Literal["none", "gguf", "fp16", "int8", "int4"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+# vLLM's --data-parallel-backend: mp starts the ranks as local processes, ray as actors on a Ray cluster
+DataParallelBackend = Literal["mp", "ray"]
+# vLLM's --runner: generate (sample tokens) or pooling (embed the prompt); auto: pooling for an encoder
+# architecture (BertModel), generate for the rest
+Runner = Literal["auto", "generate", "pooling"]
+ResolvedRunner = Literal["generate", "pooling"]
 
 
 @dataclass(frozen=True)
@@ -34,8 +40,11 @@ class ModelConfig:
     quantization: Quantization = "none"
     num_threads: int | None = None  # the engine core's compute threads; None: OMP_NUM_THREADS or all cores
     native_kernels: bool = True  # our C kernels (kernels/) on CPU in fp32, where they build; else PyTorch's
+    runner: Runner = "auto"
 
     def __post_init__(self) -> None:
+        if self.runner not in get_args(Runner):
+            raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}.")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}.")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -97,10 +106,26 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Data parallelism: `data_parallel_size` engine cores, each with its own KV pool and threads, behind
+    one front end that balances requests over them (see engine/dp_client.py)."""
+
+    data_parallel_size: int = 1
+    data_parallel_backend: DataParallelBackend = "mp"
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be at least 1, got {self.data_parallel_size}.")
+        if self.data_parallel_backend not in get_args(DataParallelBackend):
+            raise ValueError(f"data_parallel_backend must be mp or ray, got {self.data_parallel_backend!r}.")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     multiprocess: bool = True
 
 
@@ -112,6 +137,7 @@ class ResolvedLimits:
     num_kv_blocks: int
     block_size: int
     vocab_size: int
+    runner: ResolvedRunner = "generate"  # pooling: the engine embeds prompts and generates nothing
 
 
 @dataclass(frozen=True)
@@ -128,6 +154,7 @@ class EngineArgs:
     quantization: Quantization = "none"
     num_threads: int | None = None
     native_kernels: bool = True
+    runner: Runner = "auto"
     block_size: int = 16
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
@@ -135,6 +162,8 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_queue_time: float | None = None  # seconds
+    data_parallel_size: int = 1
+    data_parallel_backend: DataParallelBackend = "mp"
     multiprocess: bool = True  # run the engine core in its own process (False: in this one)
 
     def create_engine_config(self) -> EngineConfig:
@@ -146,6 +175,7 @@ class EngineArgs:
             model_config=ModelConfig(**pick(ModelConfig)),  # type: ignore[arg-type]
             cache_config=CacheConfig(**pick(CacheConfig)),  # type: ignore[arg-type]
             scheduler_config=SchedulerConfig(**pick(SchedulerConfig)),  # type: ignore[arg-type]
+            parallel_config=ParallelConfig(**pick(ParallelConfig)),  # type: ignore[arg-type]
             multiprocess=self.multiprocess,
         )
 

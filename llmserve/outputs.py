@@ -1,8 +1,13 @@
-"""What the user gets back: `RequestOutput` holding one `CompletionOutput` per sample (vLLM's shapes)."""
+"""What the user gets back: `RequestOutput` holding one `CompletionOutput` per sample, or for a pooling
+request a `PoolingRequestOutput` holding its vector (vLLM's shapes)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -81,3 +86,52 @@ class RequestOutput:
         self.outputs.sort(key=lambda c: c.index)
         self.finished = other.finished
         self.metrics = other.metrics or self.metrics
+
+
+@dataclass
+class PoolingOutput:
+    """The pooled hidden state of one prompt: float32 [hidden_size] (or `dimensions`), normalised
+    where the request or the model asked."""
+
+    data: torch.Tensor
+
+
+_O = TypeVar("_O")
+
+
+@dataclass
+class PoolingRequestOutput(Generic[_O]):
+    """The one output of a pooling request; `finished` is always True (nothing streams)."""
+
+    request_id: str
+    outputs: _O
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    """What `LLM.embed` returns for each prompt."""
+
+    @staticmethod
+    def from_base(output: PoolingRequestOutput[PoolingOutput]) -> EmbeddingRequestOutput:
+        return EmbeddingRequestOutput(
+            output.request_id,
+            EmbeddingOutput(output.outputs.data.tolist()),
+            output.prompt_token_ids,
+            output.finished,
+            output.num_cached_tokens,
+        )
+
+
+AnyRequestOutput = RequestOutput | PoolingRequestOutput[PoolingOutput]

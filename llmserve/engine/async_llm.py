@@ -22,8 +22,9 @@ from llmserve.engine.parallel_sampling import fan_out
 from llmserve.engine.queue_limits import QueueLimits, QueueTimeoutError
 from llmserve.metrics.loggers import LoggingStatLogger
 from llmserve.metrics.stats import IterationStats
-from llmserve.outputs import RequestOutput
-from llmserve.sampling_params import SamplingParams
+from llmserve.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from llmserve.pooling_params import PoolingParams
+from llmserve.sampling_params import RequestOutputKind, SamplingParams
 from llmserve.structured_output.grammars import StructuredOutputError
 
 logger = logging.getLogger("llmserve")
@@ -34,7 +35,9 @@ OUTPUT_CHUNK_SIZE = 256
 
 
 class StatLogger(Protocol):
-    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats) -> None: ...
+    def record(
+        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats, engine_index: int = 0
+    ) -> None: ...
 
     def maybe_log(self) -> None: ...
 
@@ -84,6 +87,14 @@ class AsyncLLM:
         self.input_processor = front.input_processor
         self.output_processor = front.output_processor
         self.stat_loggers: list[StatLogger] = ([LoggingStatLogger()] if log_stats else []) + stat_loggers
+        for stat_logger in stat_loggers:
+            engines = getattr(stat_logger, "num_engines", None)
+            if engines is not None and engines != self.engine_core.num_engines:
+                self.engine_core.shutdown()
+                raise ValueError(
+                    f"A stat logger for {engines} engine(s) was given to an engine of "
+                    f"{self.engine_core.num_engines} data-parallel ranks."
+                )
         self._output_handler: asyncio.Task[None] | None = None
         self._dead_error: BaseException | None = None
 
@@ -102,23 +113,33 @@ class AsyncLLM:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        data_parallel_rank: int | None = None,
     ) -> RequestOutputCollector:
         """Validate (raising `ValueError` before anything reaches the core), admit (raising
-        `QueueFullError` when the queue is full) and submit."""
+        `QueueFullError` when the queue is full) and submit; to `data_parallel_rank` where given.
+        `PoolingParams` make a pooling request (see `encode`)."""
         if self._dead_error is not None:
             raise EngineDeadError(f"The engine is dead: {self._dead_error}")
         self.config.scheduler_config.check_priority(priority)
-        text, parent, requests = fan_out(
-            self.input_processor, request_id, prompt, params, arrival_time, priority
-        )
+        self.engine_core.check_data_parallel_rank(data_parallel_rank)
+        if isinstance(params, PoolingParams):
+            processor, text, parent = self.input_processor, None, None
+            requests = [processor.process_pooling_inputs(request_id, prompt, params, arrival_time, priority)]
+        else:
+            text, parent, requests = fan_out(
+                self.input_processor, request_id, prompt, params, arrival_time, priority
+            )
+        for request in requests:
+            request.data_parallel_rank = data_parallel_rank
         if request_id in self.output_processor.request_states or request_id in self.output_processor.parents:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         self.queue.admit(requests)
         self._start_output_handler()
-        collector = RequestOutputCollector(params.output_kind)
+        kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.FINAL_ONLY
+        collector = RequestOutputCollector(kind)
         try:
             for index, request in enumerate(requests):
                 self.output_processor.add_request(request, text, parent, index, collector)
@@ -139,18 +160,43 @@ class AsyncLLM:
         request_id: str,
         arrival_time: float | None = None,
         priority: int = 0,
+        data_parallel_rank: int | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream this request's outputs. Closing or cancelling the stream aborts the request. A
         request that waited in the core past `max_queue_time` raises `QueueTimeoutError`; one whose
-        grammar failed in the core, `StructuredOutputError`."""
+        grammar failed in the core, `StructuredOutputError`; one whose data-parallel rank died,
+        `EngineDeadError`."""
         collector: RequestOutputCollector | None = None
         try:
-            collector = await self.add_request(request_id, prompt, sampling_params, arrival_time, priority)
+            collector = await self.add_request(
+                request_id, prompt, sampling_params, arrival_time, priority, data_parallel_rank
+            )
             finished = False
             while not finished:
                 output = collector.get_nowait() or await collector.get()
+                assert isinstance(output, RequestOutput)
                 finished = output.finished
                 yield output
+        except (asyncio.CancelledError, GeneratorExit):
+            if collector is not None:
+                await asyncio.shield(self.abort(request_id))
+            raise
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncGenerator[PoolingRequestOutput[PoolingOutput], None]:
+        """vLLM's: the prompt's pooled vector, in one (finished) output, from an engine of the pooling
+        runner. Closing or cancelling the stream aborts the request."""
+        collector: RequestOutputCollector | None = None
+        try:
+            collector = await self.add_request(request_id, prompt, pooling_params, priority=priority)
+            output = collector.get_nowait() or await collector.get()
+            assert isinstance(output, PoolingRequestOutput)
+            yield output
         except (asyncio.CancelledError, GeneratorExit):
             if collector is not None:
                 await asyncio.shield(self.abort(request_id))
@@ -172,6 +218,7 @@ class AsyncLLM:
             self._output_handler = asyncio.create_task(self._run_output_handler())
 
     async def _run_output_handler(self) -> None:
+        ranks = self.engine_core.num_engines
         try:
             while True:
                 outputs = await self.engine_core.get_output_async()
@@ -185,7 +232,10 @@ class AsyncLLM:
                     if processed.reqs_to_abort:
                         await self.engine_core.abort_requests_async(processed.reqs_to_abort)
                     for logger_ in self.stat_loggers:
-                        logger_.record(outputs.scheduler_stats, processed.stats)
+                        if ranks > 1:  # with one core, a logger written for one needs no rank
+                            logger_.record(outputs.scheduler_stats, processed.stats, outputs.engine_index)
+                        else:
+                            logger_.record(outputs.scheduler_stats, processed.stats)
                     if self.log_requests:
                         for finished in processed.stats.finished_requests:
                             logger.info("Finished a request (%s).", finished.finish_reason)
@@ -219,6 +269,8 @@ class AsyncLLM:
                 )
             elif output.finish_reason == FinishReason.ERROR:
                 error = StructuredOutputError(output.error or "The request failed in the engine core.")
+            elif output.finish_reason == FinishReason.RANK_DIED:
+                error = EngineDeadError(output.error or "The request's data-parallel rank died.")
             else:
                 continue
             state = self.output_processor.request_states.get(output.request_id)

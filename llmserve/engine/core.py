@@ -8,9 +8,13 @@ import time
 from llmserve.config import EngineConfig, ResolvedLimits
 from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from llmserve.model_executor.device import kv_cache_budget
+from llmserve.model_executor.encoder_runner import EncoderModelRunner
 from llmserve.model_executor.loader import load_model_config, resolve_model
+from llmserve.model_executor.loader.sentence_transformers import load_pooler_config
 from llmserve.model_executor.model_runner import ModelRunner
-from llmserve.scheduling.kv_cache_manager import KVCacheManager
+from llmserve.model_executor.models.bert import BertConfig
+from llmserve.model_executor.models.registry import resolve_runner
+from llmserve.scheduling.kv_cache_manager import KVCacheManager, cdiv
 from llmserve.scheduling.request import Request, RequestStatus
 from llmserve.scheduling.scheduler import Scheduler
 from llmserve.structured_output.manager import StructuredOutputManager
@@ -27,38 +31,68 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         source = resolve_model(config.model_config.model)
-        decoder_config = load_model_config(source)
-        self.model_runner = ModelRunner(config.model_config, decoder_config, source)
+        arch_config = load_model_config(source)
+        runner = resolve_runner(config.model_config.runner, arch_config.architecture)
+        encoder = isinstance(arch_config, BertConfig)
+        model_max, pooler = arch_config.max_position_embeddings, None
+        if runner == "pooling":
+            pooling = load_pooler_config(source.path if source.format == "hf" else None, encoder)
+            model_max, pooler = min(model_max, pooling.max_seq_length or model_max), pooling.pooler
+        self.model_runner: ModelRunner | EncoderModelRunner
+        if isinstance(arch_config, BertConfig):
+            assert pooler is not None  # resolve_runner gives an encoder no other runner
+            self.model_runner = EncoderModelRunner(config.model_config, arch_config, source, pooler)
+            max_model_len = _max_model_len(config.model_config.max_model_len, model_max, None)
+            num_blocks, kv_bytes = _bookkeeping_blocks(config), 0
+        else:
+            self.model_runner = ModelRunner(config.model_config, arch_config, source, pooler)
+            num_blocks, kv_bytes, max_model_len = self._kv_pool(config, model_max)
+        # A prompt the model must compute whole (an encoder's, or one pooled by MEAN or CLS) is never
+        # split into chunks, so it must fit one step's token budget; nor may it skip cached blocks.
+        whole_prompts = encoder or (pooler is not None and pooler.needs_whole_prompt)
+        if whole_prompts:
+            _check_whole_prompts_fit(max_model_len, config.scheduler_config.max_num_batched_tokens)
         block_size = config.cache_config.block_size
-        budget = kv_cache_budget(self.model_runner.device, config.cache_config.kv_cache_memory)
-        block_bytes = self.model_runner.kv_cache_bytes_per_block(block_size)
+        self.limits = ResolvedLimits(
+            max_model_len=max_model_len,
+            num_kv_blocks=num_blocks,
+            block_size=block_size,
+            vocab_size=arch_config.vocab_size,
+            runner=runner,
+        )
+        _log_memory(self.model_runner, self.limits, kv_bytes)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks,
+            block_size,
+            config.cache_config.enable_prefix_caching and not whole_prompts,
+            sliding_window=arch_config.cache_window,
+        )
+        self.scheduler = Scheduler(
+            config.scheduler_config,
+            self.kv_cache_manager,
+            self.limits.max_model_len,
+            chunked_prefill=not whole_prompts,
+        )
+        self.structured_output_manager = StructuredOutputManager(
+            source, self.limits.vocab_size, config.scheduler_config.max_num_seqs
+        )
+
+    def _kv_pool(self, config: EngineConfig, model_max: int) -> tuple[int, int, int]:
+        """A decoder's KV pool, sized from `kv_cache_memory`: its blocks, its bytes, and max_model_len
+        (capped by the pool)."""
+        runner = self.model_runner
+        assert isinstance(runner, ModelRunner)
+        block_size = config.cache_config.block_size
+        budget = kv_cache_budget(runner.device, config.cache_config.kv_cache_memory)
+        block_bytes = runner.kv_cache_bytes_per_block(block_size)
         num_blocks = budget // block_bytes
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory ({budget} bytes) is too small for one KV block of {block_size} tokens."
             )
-        self.limits = ResolvedLimits(
-            max_model_len=_max_model_len(
-                config.model_config.max_model_len,
-                decoder_config.max_position_embeddings,
-                num_blocks * block_size,
-            ),
-            num_kv_blocks=num_blocks,
-            block_size=block_size,
-            vocab_size=decoder_config.vocab_size,
-        )
-        self.model_runner.initialize_kv_cache(num_blocks, block_size, self.limits.max_model_len)
-        _log_memory(self.model_runner, self.limits, num_blocks * block_bytes)
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks,
-            block_size,
-            config.cache_config.enable_prefix_caching,
-            sliding_window=self.model_runner.config.cache_window,
-        )
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.limits.max_model_len)
-        self.structured_output_manager = StructuredOutputManager(
-            source, self.limits.vocab_size, config.scheduler_config.max_num_seqs
-        )
+        max_model_len = _max_model_len(config.model_config.max_model_len, model_max, num_blocks * block_size)
+        runner.initialize_kv_cache(num_blocks, block_size, max_model_len)
+        return num_blocks, num_blocks * block_bytes, max_model_len
 
     def add_request(self, request: EngineCoreRequest) -> None:
         core_request = Request.from_engine_core_request(request, self.limits.max_model_len)
@@ -82,11 +116,31 @@ class EngineCore:
         return EngineCoreOutputs(outputs, self.scheduler.make_stats(), time.monotonic())
 
 
-def _log_memory(runner: ModelRunner, limits: ResolvedLimits, kv_bytes: int) -> None:
+def _bookkeeping_blocks(config: EngineConfig) -> int:
+    """An encoder keeps no keys and values; the scheduler still hands out block ids (no memory behind
+    them), as many as one step's requests can take: they all finish in the step they run."""
+    scheduler = config.scheduler_config
+    return cdiv(scheduler.max_num_batched_tokens, config.cache_config.block_size) + scheduler.max_num_seqs
+
+
+def _check_whole_prompts_fit(max_model_len: int, max_num_batched_tokens: int) -> None:
+    """vLLM's rule where prefills are not chunked: the longest prompt must fit one step."""
+    if max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than max_model_len "
+            f"({max_model_len}): this model computes each prompt whole, in one step (no chunked "
+            "prefill). Raise max_num_batched_tokens or lower max_model_len."
+        )
+
+
+def _log_memory(runner: ModelRunner | EncoderModelRunner, limits: ResolvedLimits, kv_bytes: int) -> None:
     """What the engine holds, as vLLM reports it: weights, the KV pool (`kv_bytes`: its whole blocks,
     not the budget they were cut from), and how many requests of the full context length fit in it."""
     tokens = limits.num_kv_blocks * limits.block_size
     logger.info("Model weights take %.2f GiB.", runner.model.weight_bytes() / 2**30)
+    if isinstance(runner, EncoderModelRunner):
+        logger.info("KV cache: none (an encoder computes each prompt whole, in one step).")
+        return
     logger.info(
         "KV cache: %.2f GiB, %d blocks of %d tokens (%d tokens).",
         kv_bytes / 2**30,
@@ -101,10 +155,10 @@ def _log_memory(runner: ModelRunner, limits: ResolvedLimits, kv_bytes: int) -> N
     )
 
 
-def _max_model_len(requested: int | None, model_max: int, pool_tokens: int) -> int:
-    """The model's context length, or the requested one (never more), capped by the KV pool."""
+def _max_model_len(requested: int | None, model_max: int, pool_tokens: int | None) -> int:
+    """The model's context length, or the requested one (never more), capped by the KV pool if any."""
     if requested is not None and requested > model_max:
         raise ValueError(
             f"max_model_len ({requested}) is larger than the model's context length ({model_max})."
         )
-    return min(requested or model_max, pool_tokens)
+    return min(requested or model_max, pool_tokens or model_max)

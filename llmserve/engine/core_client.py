@@ -26,6 +26,23 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def shutdown(self) -> None: ...
 
+    @property
+    def num_engines(self) -> int:
+        """Data-parallel ranks behind this client (see dp_client.py)."""
+        return 1
+
+    @property
+    def dead_ranks(self) -> dict[int, str]:
+        """Ranks that died while others serve on (rank: why); a single core's death is `EngineDeadError`."""
+        return {}
+
+    def check_data_parallel_rank(self, rank: int | None) -> None:
+        """A request may pin a rank (`data_parallel_rank`): with one core, rank 0."""
+        if rank is not None and rank != 0:
+            raise ValueError(
+                f"data_parallel_rank must be 0 on an engine of one core (data_parallel_size 1), got {rank}."
+            )
+
     def add_request(self, request: EngineCoreRequest) -> None:
         raise self._unsupported("add_request")
 
@@ -36,7 +53,7 @@ class EngineCoreClient(ABC):
     def get_output(self) -> EngineCoreOutputs:
         raise self._unsupported("get_output")
 
-    def get_scheduler_stats(self) -> SchedulerStats:
+    def get_scheduler_stats(self, engine_index: int = 0) -> SchedulerStats:
         raise self._unsupported("get_scheduler_stats")
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
@@ -48,7 +65,7 @@ class EngineCoreClient(ABC):
     async def get_output_async(self) -> EngineCoreOutputs:
         raise self._unsupported("get_output_async")
 
-    async def get_scheduler_stats_async(self) -> SchedulerStats:
+    async def get_scheduler_stats_async(self, engine_index: int = 0) -> SchedulerStats:
         raise self._unsupported("get_scheduler_stats_async")
 
     def _unsupported(self, method: str) -> NotImplementedError:
@@ -71,7 +88,7 @@ class InprocClient(EngineCoreClient):
     def get_output(self) -> EngineCoreOutputs:
         return self.engine_core.step()
 
-    def get_scheduler_stats(self) -> SchedulerStats:
+    def get_scheduler_stats(self, engine_index: int = 0) -> SchedulerStats:
         return self.engine_core.scheduler.make_stats()
 
     def shutdown(self) -> None:
@@ -79,8 +96,16 @@ class InprocClient(EngineCoreClient):
 
 
 def make_client(config: EngineConfig, asyncio_mode: bool) -> EngineCoreClient:
-    """`SyncMPClient` or `AsyncMPClient`; `InprocClient` when `config.multiprocess` is off. The asyncio
-    engine has no in-process form: a step would block its event loop, so that combination is refused."""
+    """`SyncMPClient` or `AsyncMPClient`; `InprocClient` when `config.multiprocess` is off; their data-
+    parallel forms for more than one rank. The asyncio engine has no in-process form: a step would block
+    its event loop, so that combination is refused."""
+    parallel = config.parallel_config
+    if parallel.data_parallel_size > 1 or parallel.data_parallel_backend == "ray":
+        if not config.multiprocess:
+            raise ValueError("data_parallel_size > 1 needs multiprocess=True: each rank is a process.")
+        from llmserve.engine.dp_client import DPLBAsyncMPClient, DPSyncMPClient
+
+        return DPLBAsyncMPClient(config) if asyncio_mode else DPSyncMPClient(config)
     if not config.multiprocess:
         if asyncio_mode:
             raise ValueError(

@@ -77,13 +77,22 @@ def front_end_log_level() -> int | None:
     return logging.getLogger("llmserve").getEffectiveLevel() if logging.getLogger().handlers else None
 
 
-def start_engine_core(config: EngineConfig, ipc_dir: str) -> tuple[subprocess.Popen[bytes], int]:
-    """Start the core process for the front end whose sockets are in `ipc_dir`. Returns it and its
-    sentinel, a pipe's read end that turns readable (end of file) once the process has exited, as
-    multiprocessing's does; the caller closes it. The arguments go over stdin, not argv (where `ps` would
-    show them); the process inherits this one's environment (LLMSERVE_CPU_ISA, OMP_NUM_THREADS, ...)."""
+def start_engine_core(
+    config: EngineConfig, ipc_dir: str, rank: int = 0, cpus: list[int] | None = None
+) -> tuple[subprocess.Popen[bytes], int]:
+    """Start the core process (data-parallel rank `rank`, on `cpus` where given) for the front end whose
+    sockets are in `ipc_dir`. Returns it and its sentinel, a pipe's read end that turns readable (end of
+    file) once the process has exited, as multiprocessing's does; the caller closes it. The arguments go
+    over stdin, not argv (where `ps` would show them); the process inherits this one's environment
+    (LLMSERVE_CPU_ISA, OMP_NUM_THREADS, ...)."""
     sentinel, exit_fd = os.pipe()  # the core holds the write end until it exits
-    args = {"ipc_dir": ipc_dir, "parent_pid": os.getpid(), "log_level": front_end_log_level()}
+    args = {
+        "ipc_dir": ipc_dir,
+        "parent_pid": os.getpid(),
+        "log_level": front_end_log_level(),
+        "rank": rank,
+        "cpus": cpus,
+    }
     try:
         payload = pickle.dumps((exit_fd, config, args))
         proc = subprocess.Popen(
@@ -120,14 +129,25 @@ def main() -> None:
 
 
 def run_engine_core(
-    config: EngineConfig, ipc_dir: str, parent_pid: int, log_level: int | None = None
+    config: EngineConfig,
+    ipc_dir: str,
+    parent_pid: int,
+    log_level: int | None = None,
+    rank: int = 0,
+    cpus: list[int] | None = None,
 ) -> None:
     """Runs the core: exits 0 after a shutdown request, 1 after a failure. A new process starts with
     logging unconfigured, which would drop the start-up lines (memory, kernels), so it logs at the front
-    end's `log_level` where that has one."""
-    setproctitle.setproctitle(PROCESS_TITLE)
+    end's `log_level` where that has one. A data-parallel rank names itself in its title and log lines,
+    and keeps to its `cpus` (set before its compute threads start, which inherit them)."""
+    data_parallel = config.parallel_config.data_parallel_size > 1
+    setproctitle.setproctitle(f"{PROCESS_TITLE}_DP{rank}" if data_parallel else PROCESS_TITLE)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     if log_level is not None:
-        logging.basicConfig(level=log_level, format=LOG_FORMAT)
+        logging.basicConfig(
+            level=log_level, format=f"[DP{rank}] {LOG_FORMAT}" if data_parallel else LOG_FORMAT
+        )
     # Ctrl-C reaches the whole process group; the front end owns it and shuts this process down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(parent_pid, ipc_dir), daemon=True).start()

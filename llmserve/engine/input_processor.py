@@ -8,8 +8,9 @@ from typing import Any, TypedDict, Union
 
 from transformers import PreTrainedTokenizerBase
 
-from llmserve.config import ResolvedLimits
+from llmserve.config import ResolvedLimits, ResolvedRunner
 from llmserve.engine.messages import EngineCoreRequest
+from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams, is_unicode
 from llmserve.structured_output import grammars
 
@@ -44,6 +45,21 @@ def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len:
             f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the "
             "completion). Please reduce the length of the messages or completion."
         )
+
+
+def check_runner(limits: ResolvedLimits, runner: ResolvedRunner) -> None:
+    """A request for the other runner than the engine's is refused (the message names `model`)."""
+    if limits.runner == runner:
+        return
+    if runner == "generate":
+        raise ValueError(
+            "model serves embeddings here (runner pooling): it generates no text. Use /v1/embeddings "
+            "(LLM.embed), or start the engine with runner generate."
+        )
+    raise ValueError(
+        "model serves generation here (runner generate): it embeds nothing. Start the engine with runner "
+        "pooling (an encoder such as BertModel takes it by itself)."
+    )
 
 
 def _check_continuable(conversation: list[ChatMessage], add_generation_prompt: bool) -> None:
@@ -89,6 +105,7 @@ class InputProcessor:
         `add_special_tokens` is the tokenizer's (a BOS, for models that have one) for text prompts."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+        check_runner(self.limits, "generate")
         self._validate_params(params)
         text, token_ids = self._tokenize(prompt, add_special_tokens)
         token_ids = self._truncate(token_ids, params.truncate_prompt_tokens)
@@ -106,6 +123,48 @@ class InputProcessor:
             priority=priority,
         )
         return request, text
+
+    def process_pooling_inputs(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: PoolingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        *,
+        add_special_tokens: bool = True,
+    ) -> EngineCoreRequest:
+        """The core request of a pooling (embedding) request. Its prompt may take all of max_model_len:
+        nothing is generated after it. `truncate_prompt_tokens` keeps the last tokens, as vLLM's
+        left truncation does; a text prompt keeps its special tokens around them."""
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}.")
+        check_runner(self.limits, "pooling")
+        if params.dimensions is not None:
+            raise ValueError(
+                "dimensions: this model does not support matryoshka representation, so its embeddings "
+                "cannot be shortened."
+            )
+        keep = self._kept_tokens(params.truncate_prompt_tokens)
+        text, token_ids = self._tokenize(prompt, add_special_tokens)
+        if keep is not None and len(token_ids) > keep:
+            token_ids = (
+                token_ids[-keep:]
+                if text is None
+                else self.tokenizer.encode(
+                    text, add_special_tokens=add_special_tokens, truncation=True, max_length=keep
+                )
+            )
+        self._validate_tokens(token_ids, room_to_generate=False)
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=SamplingParams(max_tokens=1),
+            eos_token_id=None,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=priority,
+            pooling_params=params,
+        )
 
     def render_chat(
         self,
@@ -179,15 +238,20 @@ class InputProcessor:
 
     def _truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
         """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: max_model_len)."""
+        kept = self._kept_tokens(keep)
+        return token_ids if kept is None else token_ids[-kept:]
+
+    def _kept_tokens(self, keep: int | None) -> int | None:
+        """How many tokens `truncate_prompt_tokens` keeps (-1: max_model_len), or None for all."""
         if keep is None:
-            return token_ids
+            return None
         max_len = self.limits.max_model_len
         if keep > max_len:
             raise ValueError(
                 f"truncate_prompt_tokens ({keep}) cannot be greater than max_model_len ({max_len}). "
                 "Please select a smaller truncation size."
             )
-        return token_ids[-(max_len if keep == -1 else keep) :]
+        return max_len if keep == -1 else keep
 
     def _tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -241,14 +305,20 @@ class InputProcessor:
                 out.append(spaced)
         return out
 
-    def _validate_tokens(self, token_ids: list[int]) -> None:
+    def _validate_tokens(self, token_ids: list[int], room_to_generate: bool = True) -> None:
+        """`room_to_generate`: the prompt must leave a token of max_model_len for generation."""
         if not token_ids:
             raise ValueError("The prompt is empty.")
         max_len = self.limits.max_model_len
-        if len(token_ids) >= max_len:
+        if len(token_ids) > max_len - room_to_generate:
+            reason = (
+                "to leave room for at least one generated token"
+                if room_to_generate
+                else "or truncated (truncate_prompt_tokens)"
+            )
             raise ValueError(
                 f"The prompt is {len(token_ids)} tokens long, but max_model_len is {max_len}: "
-                "it must be shorter, to leave room for at least one generated token."
+                f"it must be shorter, {reason}."
             )
         vocab = self.limits.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)

@@ -9,7 +9,7 @@ from llmserve.engine.front_end import FrontEnd
 from llmserve.engine.input_processor import PromptType
 from llmserve.engine.messages import EngineCoreRequest, FinishReason
 from llmserve.engine.parallel_sampling import ParentRequest, fan_out
-from llmserve.outputs import RequestOutput
+from llmserve.outputs import AnyRequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured_output.grammars import StructuredOutputError
 
@@ -24,7 +24,7 @@ class LLMEngine:
         self.input_processor = front.input_processor
         self.output_processor = front.output_processor
         # the other requests' outputs of a step that raised, returned by the next step
-        self._undelivered: list[RequestOutput] = []
+        self._undelivered: list[AnyRequestOutput] = []
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -59,7 +59,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._undelivered) or self.output_processor.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[AnyRequestOutput]:
         """Raises `StructuredOutputError` when requests' grammars failed: those requests are aborted
         (every sample of each), and the step's outputs of the others come with the next `step()`."""
         if self._undelivered:

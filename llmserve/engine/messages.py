@@ -10,6 +10,7 @@ import enum
 
 import msgspec
 
+from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
 
 
@@ -19,6 +20,7 @@ class FinishReason(enum.IntEnum):
     ABORT = 2  # aborted by the caller
     QUEUE_TIMEOUT = 3  # waited longer than max_queue_time to be scheduled; nothing was generated
     ERROR = 4  # the request failed in the core (its grammar did not compile or rejected a token)
+    RANK_DIED = 5  # set by the front end only: the data-parallel rank that held the request died
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -30,6 +32,10 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     `bad_words_token_ids` holds the token sequences of `sampling_params.bad_words`, tokenized by the
     front end (the core has no tokenizer). `priority` orders the waiting queue under the priority
     scheduling policy (lower first); under fcfs the front end only lets 0 through.
+
+    With `pooling_params` it is a pooling request, for an engine of the pooling runner: the core
+    computes its prompt and returns the pooled hidden state (`EngineCoreOutput.pooling_output`) once,
+    generating nothing; its `sampling_params` are then never read.
     """
 
     request_id: str
@@ -39,6 +45,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     bad_words_token_ids: list[list[int]] | None = None
     priority: int = 0
+    pooling_params: PoolingParams | None = None
+    data_parallel_rank: int | None = None  # the rank that must serve it (vLLM's); None: the least loaded
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -58,7 +66,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     `new_logprobs` has one entry per new token when the request asked for logprobs.
     `new_prompt_logprobs` comes once, with the first output of a request that asked for prompt
     logprobs: one entry per prompt token after the first, the prompt token in place of the sampled one.
-    `error` says why, with `FinishReason.ERROR`.
+    `error` says why, with `FinishReason.ERROR`. A pooling request's only output carries its vector
+    in `pooling_output` (float32, little-endian bytes), with `FinishReason.STOP`.
     """
 
     request_id: str
@@ -68,6 +77,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_logprobs: list[TokenLogprobs] | None = None
     new_prompt_logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
+    pooling_output: bytes | None = None
 
     @property
     def finished(self) -> bool:
@@ -89,9 +99,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """`engine_index` is the data-parallel rank that sent them; the front end sets it on arrival."""
+
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    engine_index: int = 0
 
 
 # The wire between the front end and the engine core process. Every ZMQ message has two frames: a

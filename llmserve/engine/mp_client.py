@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 import weakref
 from collections import deque
-from typing import cast
+from typing import Protocol, cast
 
 import msgspec
 import zmq
@@ -44,23 +44,46 @@ _OUTPUTS = EngineCoreEventType.OUTPUTS.value
 _UTILITY_RESULT = EngineCoreEventType.UTILITY_RESULT.value
 
 
+class CoreHandle(Protocol):
+    """What a client holds of its core, wherever it runs: its two sockets, bound here; a sentinel fd that
+    turns readable once it has exited; and how it ended. `_CoreProcess` (a local process) and
+    `ray_core.RayCore` (a Ray actor) are the two."""
+
+    input_socket: zmq.Socket[bytes]
+    output_socket: zmq.Socket[bytes]
+    sentinel: int
+
+    @property
+    def exit_code(self) -> int | None: ...
+
+    def exited_within(self, timeout: float) -> bool: ...
+
+    def exit_reason(self, when: str = "") -> str: ...
+
+    def release(self) -> None: ...
+
+
 class _CoreProcess:
     """What a client owns outside Python's heap: the core process and its sentinel, the ZMQ sockets and the
     IPC folder. Kept apart from the client so `weakref.finalize` can release it when the client is dropped
     or the interpreter exits without `shutdown()`."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank: int, cpus: list[int] | None) -> None:
         self.ipc_dir = tempfile.mkdtemp(prefix="llmserve-")
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         input_address, output_address = ipc_addresses(self.ipc_dir)
         try:  # binding fails e.g. with a TMPDIR so long that the socket path exceeds the OS limit
             self.input_socket = make_socket(self.ctx, zmq.PUSH, input_address, bind=True)
             self.output_socket = make_socket(self.ctx, zmq.PULL, output_address, bind=True)
-            self.proc, self.sentinel = start_engine_core(config, self.ipc_dir)
+            self.proc, self.sentinel = start_engine_core(config, self.ipc_dir, rank, cpus)
         except BaseException:
             self.ctx.destroy(linger=0)
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
             raise
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.proc.returncode
 
     def exited_within(self, timeout: float) -> bool:
         """Whether the core has exited (and is reaped) within `timeout` seconds."""
@@ -94,10 +117,17 @@ class _CoreProcess:
 
 
 class MPClient(EngineCoreClient):
-    """Starts the core and owns it. Death is sticky: the first reason found is the one every call reports."""
+    """Starts the core and owns it. Death is sticky: the first reason found is the one every call reports.
+    `rank` and `cpus` place one data-parallel rank (see dp_client.py)."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        self._core = _CoreProcess(config)
+    def __init__(self, config: EngineConfig, rank: int = 0, cpus: list[int] | None = None) -> None:
+        self._core: CoreHandle
+        if config.parallel_config.data_parallel_backend == "ray":
+            from llmserve.engine.ray_core import RayCore  # ray is an optional extra
+
+            self._core = RayCore(config, rank)
+        else:
+            self._core = _CoreProcess(config, rank, cpus)
         self._finalizer = weakref.finalize(self, self._core.release)
         self._dead_reason: str | None = None
         self._encoder = msgspec.msgpack.Encoder()
@@ -110,6 +140,9 @@ class MPClient(EngineCoreClient):
 
     @property
     def proc(self) -> subprocess.Popen[bytes]:
+        """The core's local process (not for a Ray actor)."""
+        if not isinstance(self._core, _CoreProcess):
+            raise AttributeError("This engine core is a Ray actor, not a local process.")
         return self._core.proc
 
     @property
@@ -129,7 +162,7 @@ class MPClient(EngineCoreClient):
         events = dict(poller.poll())
         if socket not in events and not socket.poll(EXIT_GRACE_MS):
             reason = self._core.exit_reason(" while starting")
-            if self._core.proc.returncode == 1:  # an exception before the core could report one
+            if self._core.exit_code == 1:  # an exception before the core could report one
                 reason += " See its error above."
             raise EngineDeadError(reason)
         kind, payload = socket.recv_multipart()
@@ -180,8 +213,8 @@ class MPClient(EngineCoreClient):
 class SyncMPClient(MPClient):
     """For `LLM`: blocking calls, from one thread at a time."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: EngineConfig, rank: int = 0, cpus: list[int] | None = None) -> None:
+        super().__init__(config, rank, cpus)
         self._outputs: deque[EngineCoreOutputs] = deque()
         self._utility_results: dict[int, msgspec.Raw] = {}
         self._poller = zmq.Poller()
@@ -198,17 +231,28 @@ class SyncMPClient(MPClient):
     def get_output(self) -> EngineCoreOutputs:
         """Block until the core's next outputs, or raise `EngineDeadError` once it is gone."""
         while not self._outputs:
-            self._receive()
+            self.receive()
         return self._outputs.popleft()
 
-    def get_scheduler_stats(self) -> SchedulerStats:
+    def get_scheduler_stats(self, engine_index: int = 0) -> SchedulerStats:
         call_id = next(self._call_ids)
         self._send(EngineCoreRequestType.UTILITY, UtilityCall(call_id, "get_scheduler_stats"))
         while call_id not in self._utility_results:
-            self._receive()
+            self.receive()
         return msgspec.msgpack.decode(self._utility_results.pop(call_id), type=SchedulerStats)
 
-    def _receive(self) -> None:
+    # For a data-parallel client, which waits on several cores with one poller.
+    def register(self, poller: zmq.Poller) -> None:
+        poller.register(self._core.output_socket, zmq.POLLIN)
+        poller.register(self._core.sentinel, zmq.POLLIN)
+
+    def is_ready(self, events: dict[object, int]) -> bool:
+        return self._core.output_socket in events or self._core.sentinel in events
+
+    def take_output(self) -> EngineCoreOutputs | None:
+        return self._outputs.popleft() if self._outputs else None
+
+    def receive(self) -> None:
         """Wait for one message from the core and file it."""
         self._raise_if_dead()
         socket = self._core.output_socket
@@ -231,8 +275,8 @@ class AsyncMPClient(MPClient):
     from the loop's thread, or once the loop has stopped.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: EngineConfig, rank: int = 0, cpus: list[int] | None = None) -> None:
+        super().__init__(config, rank, cpus)
         self._outputs: asyncio.Queue[EngineCoreOutputs | None] = asyncio.Queue()  # None: the core died
         self._utility_futures: dict[int, asyncio.Future[msgspec.Raw]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -256,7 +300,7 @@ class AsyncMPClient(MPClient):
             raise EngineDeadError(self._dead_reason)
         return outputs
 
-    async def get_scheduler_stats_async(self) -> SchedulerStats:
+    async def get_scheduler_stats_async(self, engine_index: int = 0) -> SchedulerStats:
         loop = self._start()
         call_id = next(self._call_ids)
         future: asyncio.Future[msgspec.Raw] = loop.create_future()

@@ -11,8 +11,10 @@ from transformers import PreTrainedTokenizerBase
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs
 from llmserve.engine.parallel_sampling import ParentRequest
+from llmserve.engine.pooling_state import PoolingRequestState
 from llmserve.metrics.stats import FinishedRequestStats, IterationStats
 from llmserve.outputs import (
+    AnyRequestOutput,
     CompletionOutput,
     Logprob,
     PromptLogprobs,
@@ -26,7 +28,7 @@ from llmserve.sampling_params import RequestOutputKind
 class OutputSink(Protocol):
     """Where a request's outputs go in `AsyncLLM` (its `RequestOutputCollector`)."""
 
-    def put(self, output: RequestOutput | BaseException) -> None: ...
+    def put(self, output: AnyRequestOutput | BaseException) -> None: ...
 
 
 class RequestState:
@@ -188,7 +190,7 @@ class RequestState:
 @dataclass
 class OutputProcessorOutput:
     # Outputs of requests without a sink (the sync engine returns them from `step()`).
-    request_outputs: list[RequestOutput] = field(default_factory=list)
+    request_outputs: list[AnyRequestOutput] = field(default_factory=list)
     # Requests a stop string finished here that the core still runs: the caller must abort them.
     reqs_to_abort: list[str] = field(default_factory=list)
     stats: IterationStats = field(default_factory=IterationStats)
@@ -197,7 +199,7 @@ class OutputProcessorOutput:
 class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
-        self.request_states: dict[str, RequestState] = {}
+        self.request_states: dict[str, RequestState | PoolingRequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
 
     def add_request(
@@ -210,8 +212,10 @@ class OutputProcessor:
     ) -> None:
         if request.request_id in self.request_states:
             raise ValueError(f"Request id {request.request_id!r} is already in use.")
-        self.request_states[request.request_id] = RequestState(
-            request, prompt, self.tokenizer, parent, index, sink
+        self.request_states[request.request_id] = (
+            RequestState(request, prompt, self.tokenizer, parent, index, sink)
+            if request.pooling_params is None
+            else PoolingRequestState(request, sink)
         )
         if parent is not None:
             self.parents[parent.request_id] = parent

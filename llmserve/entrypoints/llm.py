@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
@@ -13,7 +14,8 @@ from llmserve.config import DEFAULT_MODEL, EngineArgs
 from llmserve.engine.input_processor import ChatMessage, PromptType, check_context_length
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.parallel_sampling import fan_out
-from llmserve.outputs import RequestOutput
+from llmserve.outputs import AnyRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -76,6 +78,37 @@ class LLM:
         ]
         return self._run(prompts, self._params_per_prompt(sampling_params, len(prompts)), use_tqdm)
 
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's: each prompt's embedding, in the order of `prompts`, from an engine of the pooling
+        runner (an encoder such as BertModel, or `runner="pooling"`)."""
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams()] * len(prompt_list)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompt_list):
+                raise ValueError(
+                    f"Got {len(params)} pooling_params for {len(prompt_list)} prompts; they must match."
+                )
+        if truncate_prompt_tokens is not None:
+            truncated = {"truncate_prompt_tokens": truncate_prompt_tokens}
+            params = [msgspec.structs.replace(p, **truncated) for p in params]
+        processor = self.llm_engine.input_processor
+        ids = [str(next(self._request_counter)) for _ in prompt_list]
+        # all validated before any is submitted
+        requests = [processor.process_pooling_inputs(*item) for item in zip(ids, prompt_list, params)]
+        for request in requests:
+            self.llm_engine.submit(None, None, [request])
+        outputs = self._collect(ids, use_tqdm)
+        return [EmbeddingRequestOutput.from_base(o) for o in outputs if isinstance(o, PoolingRequestOutput)]
+
     @staticmethod
     def _params_per_prompt(
         sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
@@ -114,8 +147,13 @@ class LLM:
             check_context_length(len(requests[0].prompt_token_ids), sp.max_tokens, max_model_len)
         for item in staged:
             engine.submit(*item)
+        return [o for o in self._collect(ids, use_tqdm) if isinstance(o, RequestOutput)]
+
+    def _collect(self, ids: list[str], use_tqdm: bool) -> list[AnyRequestOutput]:
+        """Step the engine until the requests `ids` finished; their outputs in that order."""
+        engine = self.llm_engine
         order = {request_id: i for i, request_id in enumerate(ids)}
-        results: list[RequestOutput | None] = [None] * len(ids)
+        results: list[AnyRequestOutput | None] = [None] * len(ids)
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             try:
                 while engine.has_unfinished_requests():

@@ -20,11 +20,13 @@ class LoggingStatLogger:
         self._last_log = time.monotonic()
         self._prompt_tokens = 0
         self._generation_tokens = 0
-        self._scheduler_stats = SchedulerStats()
+        self._scheduler_stats: dict[int, SchedulerStats] = {}  # the latest of each data-parallel rank
 
-    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats) -> None:
+    def record(
+        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats, engine_index: int = 0
+    ) -> None:
         if scheduler_stats is not None:
-            self._scheduler_stats = scheduler_stats
+            self._scheduler_stats[engine_index] = scheduler_stats
         self._prompt_tokens += iteration_stats.num_prompt_tokens
         self._generation_tokens += iteration_stats.num_generation_tokens
 
@@ -33,17 +35,19 @@ class LoggingStatLogger:
         elapsed = now - self._last_log
         if elapsed < self.interval:
             return
-        s = self._scheduler_stats
-        busy = self._prompt_tokens or self._generation_tokens or s.num_running_reqs or s.num_waiting_reqs
-        if busy:
+        ranks = self._scheduler_stats.values()
+        running = sum(s.num_running_reqs for s in ranks)
+        waiting = sum(s.num_waiting_reqs for s in ranks)
+        kv_cache_usage = sum(s.kv_cache_usage for s in ranks) / max(len(ranks), 1)  # the ranks' mean
+        if self._prompt_tokens or self._generation_tokens or running or waiting:
             logger.info(
                 "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                 "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%",
                 self._prompt_tokens / elapsed,
                 self._generation_tokens / elapsed,
-                s.num_running_reqs,
-                s.num_waiting_reqs,
-                s.kv_cache_usage * 100,
+                running,
+                waiting,
+                kv_cache_usage * 100,
             )
         self._last_log = now
         self._prompt_tokens = self._generation_tokens = 0

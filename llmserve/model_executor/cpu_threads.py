@@ -23,6 +23,17 @@ def core_thread_count(requested: int | None) -> int:
     return len(os.sched_getaffinity(0))
 
 
+def rank_placement(size: int, requested: int | None) -> tuple[int, list[list[int]] | None]:
+    """Threads per data-parallel rank (as requested, else this process's cores divided among the `size`
+    ranks), and each rank's own CPUs where the ranks fit on this process's cores without sharing one;
+    None where they do not."""
+    threads = requested if requested is not None else max(1, core_thread_count(None) // size)
+    cores = sorted(os.sched_getaffinity(0))
+    if threads * size > len(cores):
+        return threads, None
+    return threads, [cores[rank * threads : (rank + 1) * threads] for rank in range(size)]
+
+
 def configure_core_threads(requested: int | None) -> int:
     count = core_thread_count(requested)
     torch.set_num_threads(count)

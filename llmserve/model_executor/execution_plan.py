@@ -14,6 +14,8 @@ the plan. The rules, each with the reason it exists:
   built and computes in fp32; else PyTorch gathers the blocks.
 - A decode-only step runs every layer in one C call (`decoder_step.c`) when the architecture's layer
   is the one that kernel computes and every projection keeps a stored weight.
+- An encoder (BERT) multiplies whole prompts, hundreds of rows at once, and never decodes: its weights
+  are dense, through oneDNN's pre-packed product on the CPU in fp32.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class ExecutionPlan:
     decode_attention: str  # "paged_attention.c" | "torch"
     fused_decode: bool  # decode-only steps through decoder_step.c
     reasons: tuple[str, ...]  # one line per decision that was not the fast path, for the log
+    encoder: bool = False  # bidirectional, whole prompts: no KV cache, no decode
 
     @classmethod
     def decide(
@@ -57,8 +60,10 @@ class ExecutionPlan:
         dtype: torch.dtype,
         architecture: str,
         fused_decode_layer: bool,
+        encoder: bool = False,
     ) -> ExecutionPlan:
-        """`fused_decode_layer`: the architecture's layer is the one `decoder_step.c` computes."""
+        """`fused_decode_layer`: the architecture's layer is the one `decoder_step.c` computes;
+        `encoder`: the architecture is an encoder (dense weights, no decode)."""
         reasons: list[str] = []
         library = native.load_library() is not None if model_config.native_kernels else False
         if not model_config.native_kernels:
@@ -75,21 +80,24 @@ class ExecutionPlan:
             raise ValueError(
                 f"quantization={quantization!r} needs the CPU, float32 and the C kernels (native_kernels)."
             )
+        if quantization != "none" and encoder:
+            raise ValueError(f"quantization={quantization!r} is for decoders; {architecture} is an encoder.")
         int8_activations = quantization in ("gguf", "int8", "int4")
-        fused = native_path and fused_decode_layer
-        if native_path and not fused_decode_layer:
+        fused = native_path and fused_decode_layer and not encoder
+        if native_path and not fused_decode_layer and not encoder:
             reasons.append(f"{architecture}: no fused decode step for this layer; decodes run op by op")
         return cls(
             device=device,
             dtype=dtype,
-            stored_weights=native_path,
+            stored_weights=native_path and not encoder,
             quantization=quantization,
             int8_activations=int8_activations,
             block_rows=native.BLOCK_GEMV_MAX_ROWS if int8_activations else 0,
             int8_gemm=int8_activations and native_path and native.int8_gemm_available(),
-            decode_attention="paged_attention.c" if native_path else "torch",
+            decode_attention="paged_attention.c" if native_path and not encoder else "torch",
             fused_decode=fused,
             reasons=tuple(reasons),
+            encoder=encoder,
         )
 
     def stored_product(self, rows: int) -> StoredProduct:
@@ -121,12 +129,14 @@ class ExecutionPlan:
                 products += ", weight_gemm.c at every batch size"
         else:
             products = f"dense {dtype} weights through {self.dense_product()}"
-        lines = [
-            f"Execution plan ({self.device.type}, {dtype}):",
-            f"  projections: {products}",
-            f"  decode attention: {self.decode_attention}; prefill attention: torch SDPA",
-            "  decode-only steps: "
-            + ("every layer in one decoder_step.c call" if self.fused_decode else "op by op"),
-        ]
+        lines = [f"Execution plan ({self.device.type}, {dtype}):", f"  projections: {products}"]
+        if self.encoder:
+            lines.append("  attention: bidirectional, torch SDPA per prompt (an encoder: no KV cache)")
+        else:
+            lines += [
+                f"  decode attention: {self.decode_attention}; prefill attention: torch SDPA",
+                "  decode-only steps: "
+                + ("every layer in one decoder_step.c call" if self.fused_decode else "op by op"),
+            ]
         lines += [f"  because: {reason}" for reason in self.reasons]
         return lines

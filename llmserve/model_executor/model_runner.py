@@ -20,6 +20,7 @@ from llmserve.model_executor.logits_processors import apply_logits_processors, b
 from llmserve.model_executor.models.causal_lm import KVCache
 from llmserve.model_executor.models.decoder_config import DecoderConfig
 from llmserve.model_executor.models.registry import model_class
+from llmserve.model_executor.pooler import Pooler, PoolerConfig, PoolingSpan, vector_bytes
 from llmserve.model_executor.sampler import SamplingMetadata, gather_logprobs, sample
 from llmserve.scheduling.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from llmserve.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
@@ -30,9 +31,18 @@ _PROMPT_LOGITS_ROWS = 1024  # prompt positions scored per logits matrix, which b
 
 
 class ModelRunner:
-    """Owns the model, its KV cache tensors, and the seeded generators of running requests."""
+    """Owns the model, its KV cache tensors, and the seeded generators of running requests. With a
+    `pooler` (the pooling runner) it samples nothing: each request whose prompt a step completes gets
+    its pooled final-norm hidden state instead."""
 
-    def __init__(self, model_config: ModelConfig, decoder_config: DecoderConfig, source: ModelSource):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        decoder_config: DecoderConfig,
+        source: ModelSource,
+        pooler: PoolerConfig | None = None,
+    ):
+        self.pooler = None if pooler is None else Pooler(pooler)
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         self.num_threads = configure_core_threads(model_config.num_threads)
@@ -102,6 +112,8 @@ class ModelRunner:
         batch = sorted(scheduler_output.scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta, sample_rows, last_tokens = self._prepare_inputs(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.pooler is not None:
+            return ModelRunnerOutput({}, pooled=self._pool(batch, hidden, self.pooler))
         output = ModelRunnerOutput({})
         if any(s.request.sampling_params.prompt_logprobs is not None for s in batch):
             output.prompt_logprobs = self._prompt_logprobs(batch, hidden)
@@ -137,6 +149,21 @@ class ModelRunner:
             ks = [self.config.vocab_size if k == -1 else k for _, k in wanted]
             entries = gather_logprobs(logits[rows], sampled[rows], ks)
             output.logprobs = {ids[row]: entry for (row, _), entry in zip(wanted, entries)}
+
+    @staticmethod
+    def _pool(batch: list[ScheduledRequest], hidden: torch.Tensor, pooler: Pooler) -> dict[str, bytes]:
+        """The vectors of the requests whose prompts this step completed; a chunk's span is its own
+        rows (a pooler that reads more than the last row gets whole prompts: see the scheduler)."""
+        spans: list[PoolingSpan] = []
+        ids: list[str] = []
+        start = 0
+        for sched in batch:
+            params = sched.request.pooling_params
+            if sched.samples and params is not None:
+                spans.append(PoolingSpan(start, sched.num_new_tokens, params.normalize))
+                ids.append(sched.request.request_id)
+            start += sched.num_new_tokens
+        return dict(zip(ids, vector_bytes(pooler(hidden, spans)))) if spans else {}
 
     def _prompt_logprobs(
         self, batch: list[ScheduledRequest], hidden: torch.Tensor

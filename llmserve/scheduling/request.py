@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 from llmserve.engine.messages import EngineCoreRequest, FinishReason, TokenLogprobs
+from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured_output.request import StructuredOutputRequest
 
@@ -59,8 +60,10 @@ class Request:
         max_model_len: int,
         bad_words_token_ids: list[list[int]] | None = None,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
+        self.pooling_params = pooling_params  # a pooling request: its prompt only, then its vector
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
@@ -98,6 +101,7 @@ class Request:
             max_model_len,
             req.bad_words_token_ids,
             req.priority,
+            req.pooling_params,
         )
 
     @property

@@ -48,6 +48,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # the pooling runner's: each request whose prompt this step completed → its vector (float32 bytes)
+    pooled: dict[str, bytes] = field(default_factory=dict)
 
 
 def _rank(request: Request) -> tuple[int, float]:
@@ -67,6 +69,10 @@ class Scheduler:
     the scheduler ends with `FinishReason.QUEUE_TIMEOUT`. A request whose grammar is still compiling
     (`WAITING_FOR_FSM`) keeps its place in the queue while later ones are admitted past it; one whose
     grammar failed ends with `FinishReason.ERROR`. `clock` is for tests.
+
+    Without `chunked_prefill` (encoders, whole-prompt pooling) a prompt is admitted only whole, in a
+    step with room for all of it; the engine core makes sure the longest fits an empty step. A pooling
+    request finishes in the step that completes its prompt, and frees its blocks there.
     """
 
     def __init__(
@@ -75,8 +81,10 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
+        chunked_prefill: bool = True,
     ):
         self.config = config
+        self.chunked_prefill = chunked_prefill
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
@@ -140,6 +148,8 @@ class Scheduler:
             computed = self.kv_cache_manager.get_computed_blocks(request)
             num_cached = len(computed) * self.kv_cache_manager.block_size
             num_new = min(request.num_tokens - num_cached, budget)
+            if not self.chunked_prefill and num_new < request.num_tokens - num_cached:
+                break  # whole, in a later step
             if not self.kv_cache_manager.allocate_slots(request, num_new, computed):
                 break
             request.num_computed_tokens = num_cached
@@ -220,6 +230,13 @@ class Scheduler:
             prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
             if prompt_logprobs:
                 request.add_prompt_logprobs(prompt_logprobs)
+            pooled = runner_output.pooled.get(request.request_id)
+            if pooled is not None:
+                request.status = RequestStatus.FINISHED_STOPPED
+                self._free_finished(request)
+                output = EngineCoreOutput(request.request_id, [], FinishReason.STOP, pooling_output=pooled)
+                outputs.append(output)
+                continue
             token = runner_output.sampled_token_ids.get(request.request_id)
             if token is None:
                 continue

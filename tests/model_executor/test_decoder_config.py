@@ -8,7 +8,12 @@ import pytest
 import transformers
 
 from llmserve.model_executor.models.decoder_config import DecoderConfig
-from llmserve.model_executor.models.registry import model_class, supported_architectures
+from llmserve.model_executor.models.registry import (
+    encoder_class,
+    is_encoder,
+    model_class,
+    supported_architectures,
+)
 
 CONFIGS = {
     "Qwen2ForCausalLM": transformers.Qwen2Config,
@@ -41,4 +46,5 @@ def test_each_layer_slides_as_in_transformers(arch: str, options: dict[str, Any]
 
 def test_every_registered_architecture_imports() -> None:
     for arch in supported_architectures():
-        assert model_class(arch).__name__ in (arch, "LlamaForCausalLM")
+        cls = encoder_class(arch) if is_encoder(arch) else model_class(arch)
+        assert cls.__name__ in (arch, "LlamaForCausalLM")

@@ -26,7 +26,9 @@ from llmserve.config import EngineArgs
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.engine.core_proc import LOG_FORMAT
 from llmserve.engine.exceptions import EngineDeadError
+from llmserve.entrypoints.openai.data_parallel import with_header_rank
 from llmserve.entrypoints.openai.disconnect import cancel_on_disconnect
+from llmserve.entrypoints.openai.embedding_protocol import EmbeddingRequest, EmbeddingResponse
 from llmserve.entrypoints.openai.errors import (
     ErrorResponse,
     OpenAIError,
@@ -54,6 +56,7 @@ from llmserve.entrypoints.openai.responses import (
 from llmserve.entrypoints.openai.server_args import ServerArgs
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from llmserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from llmserve.entrypoints.openai.serving_models import ServedModels
 from llmserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from llmserve.entrypoints.openai.streaming import EventStreamResponse
@@ -153,6 +156,7 @@ def build_app(
     completions = OpenAIServingCompletion(engine, models, stopping, executor, as_ids)
     chat = OpenAIServingChat(engine, models, stopping, executor, as_ids, args.auto_tool_parser)
     tokenization = OpenAIServingTokenization(engine, models, stopping, executor)
+    embeddings = OpenAIServingEmbedding(engine, models, stopping, executor)
 
     app = FastAPI(title="llmserve", version=__version__, responses=ERROR_RESPONSES)
     install_error_handlers(app)
@@ -167,6 +171,9 @@ def build_app(
     async def health() -> Response:
         if engine.errored:
             return engine_dead().response()
+        dead_ranks = engine.engine_core.dead_ranks
+        if dead_ranks:  # the others still serve, but the server is not whole: a router should know
+            return engine_dead(EngineDeadError(" ".join(dead_ranks.values()))).response()
         return Response(status_code=200)
 
     @app.get("/version")
@@ -175,12 +182,15 @@ def build_app(
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def render_metrics() -> Response:
-        if not engine.errored:
+        core = engine.engine_core
+        for rank in range(core.num_engines) if not engine.errored else ():
+            if rank in core.dead_ranks:
+                continue
             with contextlib.suppress(EngineDeadError, TimeoutError):
                 stats = await asyncio.wait_for(
-                    engine.engine_core.get_scheduler_stats_async(), SCHEDULER_STATS_TIMEOUT_SECONDS
+                    core.get_scheduler_stats_async(rank), SCHEDULER_STATS_TIMEOUT_SECONDS
                 )
-                metrics.record(stats, IterationStats())
+                metrics.record(stats, IterationStats(), rank)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -195,7 +205,7 @@ def build_app(
     async def create_completion(
         request: CompletionRequest, raw_request: Request
     ) -> CompletionResponse | EventStreamResponse:
-        request = with_header_id(request, raw_request.headers)
+        request = with_header_rank(with_header_id(request, raw_request.headers), raw_request.headers)
         if request.stream:
             return EventStreamResponse(
                 await completions.run_blocking(partial(completions.create_stream, request))
@@ -208,12 +218,17 @@ def build_app(
     async def create_chat_completion(
         request: ChatCompletionRequest, raw_request: Request
     ) -> ChatCompletionResponse | EventStreamResponse:
-        request = with_header_id(request, raw_request.headers)
+        request = with_header_rank(with_header_id(request, raw_request.headers), raw_request.headers)
         if request.stream:
             return EventStreamResponse(await chat.run_blocking(partial(chat.create_stream, request)))
         return await cancel_on_disconnect(raw_request, chat.create(request))
 
     # Answered as JSON built in the executor too: millions of token ids take seconds to serialize.
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse)
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+        body = await cancel_on_disconnect(raw_request, embeddings.create(request))
+        return Response(body, media_type="application/json")
+
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(request: TokenizeRequest) -> Response:
         body = await tokenization.run_blocking(lambda: tokenization.tokenize(request).model_dump_json())
@@ -233,7 +248,7 @@ async def serve(engine_args: EngineArgs, args: ServerArgs) -> None:
     """Load the engine, serve until a signal, then stop: running requests get `SHUTDOWN_GRACE_SECONDS`
     to finish before they are ended, and the engine core process is shut down last."""
     names = args.served_model_names or (engine_args.model,)
-    metrics = PrometheusStatLogger(names[0])
+    metrics = PrometheusStatLogger(names[0], num_engines=engine_args.data_parallel_size)
     engine = AsyncLLM.from_engine_args(
         engine_args,
         log_requests=args.enable_log_requests,

@@ -16,8 +16,9 @@ from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 
 from llmserve.engine.async_llm import AsyncLLM
-from llmserve.engine.input_processor import PromptType, TokensPrompt
+from llmserve.engine.input_processor import PromptType, TokensPrompt, check_runner
 from llmserve.engine.queue_limits import EngineOverloadedError
+from llmserve.entrypoints.openai.data_parallel import RANK_HEADER
 from llmserve.entrypoints.openai.errors import OpenAIError, bad_request, engine_dead
 from llmserve.entrypoints.openai.protocol import ChatMessage, SamplingRequest
 from llmserve.entrypoints.openai.serving_models import ServedModels
@@ -54,6 +55,7 @@ class PreparedPrompt:
     token_ids: list[int]
     text: str | None
     priority: int = 0
+    data_parallel_rank: int | None = None
 
 
 class OpenAIServing:
@@ -116,6 +118,10 @@ class OpenAIServing:
         if self.engine.errored:
             raise engine_dead()
         model = self.models.resolve(request.model)
+        try:
+            check_runner(self.engine.limits, "generate")
+        except ValueError as e:
+            raise OpenAIError(str(e), param="model") from e
         if request.stream_options is not None and not request.stream:
             raise OpenAIError(
                 "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
@@ -205,6 +211,10 @@ class OpenAIServing:
             self.engine.config.scheduler_config.check_priority(request.priority)
         except ValueError as e:
             raise bad_request(e, type(request).model_fields) from e
+        try:
+            self.engine.engine_core.check_data_parallel_rank(request.data_parallel_rank)
+        except ValueError as e:
+            raise OpenAIError(str(e), param=RANK_HEADER) from e
         processor = self.engine.input_processor
         truncating = params.truncate_prompt_tokens is not None
         for prompt in prompts:
@@ -221,7 +231,11 @@ class OpenAIServing:
                 raise bad_request(e, type(request).model_fields, prompt_field) from e
             # a truncated prompt's text is longer than its tokens': echo decodes the tokens instead
             kept = None if truncating else text
-            out.append(PreparedPrompt(core_request.prompt_token_ids, kept, request.priority))
+            out.append(
+                PreparedPrompt(
+                    core_request.prompt_token_ids, kept, request.priority, request.data_parallel_rank
+                )
+            )
         try:
             self.engine.queue.check(len(out) * params.n, sum(len(p.token_ids) for p in out) * params.n)
         except EngineOverloadedError as e:
@@ -237,7 +251,11 @@ class OpenAIServing:
         engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         streams = [
             self.engine.generate(
-                TokensPrompt(prompt_token_ids=p.token_ids), params, f"{engine_id}-{i}", priority=p.priority
+                TokensPrompt(prompt_token_ids=p.token_ids),
+                params,
+                f"{engine_id}-{i}",
+                priority=p.priority,
+                data_parallel_rank=p.data_parallel_rank,
             )
             for i, p in enumerate(prompts)
         ]

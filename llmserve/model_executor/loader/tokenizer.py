@@ -52,6 +52,7 @@ def load_tokenizer(source: ModelSource, chat_template: str | None = None) -> Pre
         tokenizer = _gguf_tokenizer(read_gguf_header(source.path))
     if chat_template is not None:
         tokenizer.chat_template = _read_chat_template(chat_template)
+    tokenizer.truncation_side = "left"  # as vLLM's: a truncated prompt keeps its last tokens
     return tokenizer
 
 

@@ -13,6 +13,7 @@ import json
 import logging
 import re
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,7 +30,15 @@ from llmserve.model_executor.loader.gguf_file import (
 from llmserve.model_executor.loader.model_source import ModelSource
 from llmserve.model_executor.models.causal_lm import CausalLM
 from llmserve.model_executor.models.decoder_config import DecoderConfig
-from llmserve.model_executor.models.registry import GGUF_PERMUTED_QK, architecture_from_gguf, model_class
+from llmserve.model_executor.models.registry import (
+    GGUF_PERMUTED_QK,
+    architecture_from_gguf,
+    config_class,
+    model_class,
+)
+
+if TYPE_CHECKING:
+    from llmserve.model_executor.models.bert import BertConfig
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +50,7 @@ _GGUF_GLOBAL_NAMES = {
 _GGUF_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def load_model_config(source: ModelSource) -> DecoderConfig:
+def load_model_config(source: ModelSource) -> DecoderConfig | BertConfig:
     """The model's hyper-parameters, read by its architecture's config class; `ValueError` for an
     unreadable checkpoint or an architecture the registry does not know."""
     if source.format == "hf":
@@ -50,12 +59,12 @@ def load_model_config(source: ModelSource) -> DecoderConfig:
             raw = json.loads(config_path.read_text())
             archs = raw.get("architectures") or []
             arch = archs[0] if archs else f"{str(raw.get('model_type', '?')).capitalize()}ForCausalLM"
-            return model_class(arch).config_class.from_hf_dict(raw)
+            return config_class(arch).from_hf_dict(raw)
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"Cannot read a model config from {config_path}: {e!r}") from e
     header = read_gguf_header(source.path)
     arch = architecture_from_gguf(header.architecture, header.path)
-    return model_class(arch).config_class.from_gguf(header, arch)
+    return config_class(arch).from_gguf(header, arch)
 
 
 Weights = Iterator[tuple[str, "torch.Tensor | StoredTensor"]]
@@ -70,7 +79,8 @@ def iter_weights(source: ModelSource, stored: bool = False) -> Weights:
 
 
 def _iter_safetensors(source: ModelSource, stored: bool) -> Weights:
-    tied = load_model_config(source).tie_word_embeddings
+    config = load_model_config(source)
+    tied = isinstance(config, DecoderConfig) and config.tie_word_embeddings
     for file in sorted(source.path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             names = f.keys()

@@ -3,13 +3,20 @@
 Hugging Face's `config.json` names it in `architectures`; a GGUF in `general.architecture`, in
 llama.cpp's spelling, mapped here to Hugging Face's. Adding an architecture is one entry here and one
 file under `models/`. Modules are imported when asked for, so a broken one cannot stop the others.
+Encoders (BERT) are models of their own kind: no KV cache, no logits; they serve embeddings.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
+from llmserve.config import ResolvedRunner, Runner
 from llmserve.model_executor.models.causal_lm import CausalLM
+from llmserve.model_executor.models.decoder_config import DecoderConfig
+
+if TYPE_CHECKING:
+    from llmserve.model_executor.models.bert import BertConfig, BertModel
 
 # Hugging Face architecture → (module under models/, class in it)
 _MODELS = {
@@ -19,6 +26,10 @@ _MODELS = {
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+}
+# Hugging Face architecture → (module under models/, class in it), for the bidirectional encoders
+_ENCODERS = {
+    "BertModel": ("bert", "BertModel"),
 }
 # llama.cpp's `general.architecture` → Hugging Face architecture
 _GGUF_ARCHITECTURES = {
@@ -34,19 +45,41 @@ GGUF_PERMUTED_QK = frozenset({"llama", "mistral"})
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    return sorted([*_MODELS, *_ENCODERS])
+
+
+def is_encoder(architecture: str) -> bool:
+    return architecture in _ENCODERS
 
 
 def model_class(architecture: str) -> type[CausalLM]:
-    """The class that runs `architecture`; `ValueError` naming it and the supported ones otherwise."""
-    if architecture not in _MODELS:
+    """The decoder that runs `architecture`; `ValueError` naming it and the supported ones otherwise."""
+    cls = _import(architecture, _MODELS)
+    assert issubclass(cls, CausalLM)
+    return cls
+
+
+def encoder_class(architecture: str) -> type[BertModel]:
+    """The encoder that runs `architecture`; `ValueError` naming it and the supported ones otherwise."""
+    cls: type[BertModel] = _import(architecture, _ENCODERS)
+    return cls
+
+
+def config_class(architecture: str) -> type[DecoderConfig] | type[BertConfig]:
+    """The class that reads `architecture`'s hyper-parameters from its checkpoint."""
+    if is_encoder(architecture):
+        return encoder_class(architecture).config_class
+    return model_class(architecture).config_class
+
+
+def _import(architecture: str, known: dict[str, tuple[str, str]]) -> type:
+    if architecture not in known:
         raise ValueError(
             f"Unsupported architecture {architecture!r}; "
             f"llmserve runs {', '.join(supported_architectures())}."
         )
-    module, name = _MODELS[architecture]
-    cls = getattr(importlib.import_module(f"llmserve.model_executor.models.{module}"), name)
-    assert issubclass(cls, CausalLM)
+    module, name = known[architecture]
+    cls: type = getattr(importlib.import_module(f"llmserve.model_executor.models.{module}"), name)
     return cls
 
 
@@ -58,3 +91,13 @@ def architecture_from_gguf(gguf_architecture: str, path: object) -> str:
             f"{', '.join(sorted(_GGUF_ARCHITECTURES))}."
         )
     return _GGUF_ARCHITECTURES[gguf_architecture]
+
+
+def resolve_runner(requested: Runner, architecture: str) -> ResolvedRunner:
+    """vLLM's `--runner auto`: pooling for an encoder, generate for a decoder. An encoder cannot
+    generate; a decoder may pool (embeddings from its last token)."""
+    if requested == "auto":
+        return "pooling" if is_encoder(architecture) else "generate"
+    if requested == "generate" and is_encoder(architecture):
+        raise ValueError(f"runner generate: {architecture} is an encoder, which only embeds (runner pooling)")
+    return requested
