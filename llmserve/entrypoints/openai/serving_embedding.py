@@ -9,7 +9,7 @@ from functools import partial
 
 import torch
 
-from llmserve.engine.input_processor import TokensPrompt, check_runner
+from llmserve.engine.input_processor import TokensPrompt
 from llmserve.engine.queue_limits import EngineOverloadedError
 from llmserve.entrypoints.openai.embedding_protocol import (
     EmbeddingData,
@@ -17,7 +17,7 @@ from llmserve.entrypoints.openai.embedding_protocol import (
     EmbeddingResponse,
     EmbeddingUsage,
 )
-from llmserve.entrypoints.openai.errors import OpenAIError, bad_request, engine_dead
+from llmserve.entrypoints.openai.errors import bad_request
 from llmserve.entrypoints.openai.serving_engine import OpenAIServing, ServerOverloaded
 from llmserve.entrypoints.openai.streaming import merge_streams
 from llmserve.pooling_params import PoolingParams
@@ -29,13 +29,7 @@ class OpenAIServingEmbedding(OpenAIServing):
     def _start(self, request: EmbeddingRequest) -> tuple[str, PoolingParams, list[list[int]]]:
         """The model name, the pooling params and each input's tokens; everything that can fail with a
         400/404/503 fails here, before the engine sees any input."""
-        if self.engine.errored:
-            raise engine_dead()
-        model = self.models.resolve(request.model)
-        try:
-            check_runner(self.engine.limits, "pooling")
-        except ValueError as e:
-            raise OpenAIError(str(e), param="model") from e
+        model = self.resolve_model(request.model, "pooling")
         try:
             self.engine.config.scheduler_config.check_priority(request.priority)
             params = request.pooling_params()

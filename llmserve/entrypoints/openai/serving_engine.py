@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 
+from llmserve.config import ResolvedRunner
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.engine.input_processor import PromptType, TokensPrompt, check_runner
 from llmserve.engine.queue_limits import EngineOverloadedError
@@ -113,15 +114,21 @@ class OpenAIServing:
         loop must keep answering /health and feeding the running streams."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, work)
 
-    def check_request(self, request: SamplingRequest) -> str:
-        """The model name to answer with, once the engine is alive and the streaming fields agree."""
+    def resolve_model(self, name: str | None, runner: ResolvedRunner) -> str:
+        """The model name to answer with, once the engine is alive (else a 503) and is of `runner` (else
+        a 400 naming `model`)."""
         if self.engine.errored:
             raise engine_dead()
-        model = self.models.resolve(request.model)
+        model = self.models.resolve(name)
         try:
-            check_runner(self.engine.limits, "generate")
+            check_runner(self.engine.limits, runner)
         except ValueError as e:
             raise OpenAIError(str(e), param="model") from e
+        return model
+
+    def check_request(self, request: SamplingRequest) -> str:
+        """The model name to answer with, once the engine is alive and the streaming fields agree."""
+        model = self.resolve_model(request.model, "generate")
         if request.stream_options is not None and not request.stream:
             raise OpenAIError(
                 "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
