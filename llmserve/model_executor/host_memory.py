@@ -5,7 +5,7 @@ requests, until every block had served once (prefix caching hands out the least 
 so all of them come round): resident memory would climb under load, and a pool the machine cannot
 hold would fail mid-serving instead of at start-up. So the whole pool is faulted in when it is
 allocated, as vLLM's is, and the memory the start-up log announces is the memory the process holds.
-On a thread of its own: first touch cost 0.35-1.75 s per GiB on a Zen 5 VM, 7 s for the default
+On a thread of its own: first touch cost 0.35-1.75 s per GiB on a Zen 4 VM, 7 s for the default
 4 GiB pool, which start-up does not wait for.
 
 In plain 4 KiB pages: on that VM, faulting in transparent huge pages took 6x as long, and 64 sequences

@@ -185,7 +185,7 @@ INLINE void multiply32(const f32x16 w[2], const float *x, int64_t ldx, int rows,
  *
  * The bytes `ahead` of those read (the same place in the next group's rows) are prefetched: a row of a
  * narrow weight is a few cache lines, too few for the hardware's stream prefetchers to learn before it
- * ends. One row of a [37984, 896] Q5_0 weight took 0.16 ns a weight on a Zen 5 core without, 0.08 with:
+ * ends. One row of a [37984, 896] Q5_0 weight took 0.16 ns a weight on a Zen 4 core without, 0.08 with:
  * as fast as when it sits in the cache. */
 INLINE void fused_group(int qtype, const uint8_t *const *w, int64_t ahead, int cols, int64_t s0, int64_t s1,
                         const float *x, int64_t ldx, int rows, float out[FUSED_ROWS][NB])
