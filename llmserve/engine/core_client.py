@@ -37,10 +37,11 @@ class EngineCoreClient(ABC):
         return {}
 
     def check_data_parallel_rank(self, rank: int | None) -> None:
-        """A request may pin a rank (`data_parallel_rank`): with one core, rank 0."""
-        if rank is not None and rank != 0:
+        """A request may pin one of the ranks (`data_parallel_rank`); a single core is rank 0."""
+        if rank is not None and not 0 <= rank < self.num_engines:
             raise ValueError(
-                f"data_parallel_rank must be 0 on an engine of one core (data_parallel_size 1), got {rank}."
+                f"data_parallel_rank must be between 0 and {self.num_engines - 1} "
+                f"(data_parallel_size {self.num_engines}), got {rank}."
             )
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -132,10 +132,6 @@ class LoadBalancer:
     def all_dead(self) -> bool:
         return len(self.dead) == self.size
 
-    def check_rank(self, rank: int | None) -> None:
-        if rank is not None and not 0 <= rank < self.size:
-            raise ValueError(f"data_parallel_rank must be between 0 and {self.size - 1}, got {rank}.")
-
 
 class DPLBAsyncMPClient(EngineCoreClient):
     """For `AsyncLLM` with `data_parallel_size` > 1: one `AsyncMPClient` per rank, one merged output
@@ -155,9 +151,6 @@ class DPLBAsyncMPClient(EngineCoreClient):
     @property
     def dead_ranks(self) -> dict[int, str]:
         return dict(self.balancer.dead)
-
-    def check_data_parallel_rank(self, rank: int | None) -> None:
-        self.balancer.check_rank(rank)
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         """A rank found dead on sending (before its reader has reported it) takes no more requests; an
@@ -243,9 +236,6 @@ class DPSyncMPClient(EngineCoreClient):
     @property
     def num_engines(self) -> int:
         return len(self.ranks)
-
-    def check_data_parallel_rank(self, rank: int | None) -> None:
-        self.balancer.check_rank(rank)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         rank = self.balancer.assign(request)
