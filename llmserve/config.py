@@ -8,8 +8,9 @@ max_model_len) live in `ResolvedLimits`, never written back into these.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -120,12 +121,92 @@ class ParallelConfig:
             raise ValueError(f"data_parallel_backend must be mp or ray, got {self.data_parallel_backend!r}.")
 
 
+SpeculativeMethod = Literal["ngram"]
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `--speculative-config`: each decode step checks up to `num_speculative_tokens` guessed
+    tokens in the same forward pass (see spec_decode/). `ngram` guesses the tokens that followed the
+    latest earlier occurrence of the request's last n tokens (n from `prompt_lookup_max` down to
+    `prompt_lookup_min`) in its prompt and output. Where one bound is given the other defaults to it,
+    where neither both are 5, as in vLLM.
+
+    Speculation pays only while a step is bound by reading the weights: a step of more than
+    `disable_by_batch_size` running requests speculates for none of them (None: the default, 8), and a
+    request whose guesses keep failing stops guessing (spec_decode/speculator.py)."""
+
+    method: SpeculativeMethod
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in get_args(SpeculativeMethod):
+            raise ValueError(f"speculative_config.method must be ngram, got {self.method!r}.")
+        if type(self.num_speculative_tokens) is not int or self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens must be a positive integer, got "
+                f"{self.num_speculative_tokens!r}."
+            )
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = 5
+        low, high = (high if low is None else low), (low if high is None else high)
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+        for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}.")
+        assert low is not None and high is not None
+        if low > high:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min ({low}) must not exceed prompt_lookup_max ({high})."
+            )
+        limit = self.disable_by_batch_size
+        if limit is not None and (type(limit) is not int or limit < 1):
+            raise ValueError(
+                f"speculative_config.disable_by_batch_size must be a positive integer, got {limit!r}."
+            )
+
+    @property
+    def max_batch_size(self) -> int:
+        """The most running requests at which a step still speculates."""
+        return 8 if self.disable_by_batch_size is None else self.disable_by_batch_size
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From `LLM(speculative_config={...})` or the flag's JSON; unknown fields are refused."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}.") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}.")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown field(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}."
+            )
+        for name in ("method", "num_speculative_tokens"):
+            if name not in value:
+                raise ValueError(f"speculative_config.{name} is required.")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative_config: SpeculativeConfig | None = None
     multiprocess: bool = True
 
 
@@ -164,6 +245,8 @@ class EngineArgs:
     max_queue_time: float | None = None  # seconds
     data_parallel_size: int = 1
     data_parallel_backend: DataParallelBackend = "mp"
+    # vLLM's: {"method": "ngram", "num_speculative_tokens": K, ...}, or its JSON (see SpeculativeConfig)
+    speculative_config: dict[str, Any] | str | None = None
     multiprocess: bool = True  # run the engine core in its own process (False: in this one)
 
     def create_engine_config(self) -> EngineConfig:
@@ -176,6 +259,7 @@ class EngineArgs:
             cache_config=CacheConfig(**pick(CacheConfig)),  # type: ignore[arg-type]
             scheduler_config=SchedulerConfig(**pick(SchedulerConfig)),  # type: ignore[arg-type]
             parallel_config=ParallelConfig(**pick(ParallelConfig)),  # type: ignore[arg-type]
+            speculative_config=SpeculativeConfig.parse(self.speculative_config),
             multiprocess=self.multiprocess,
         )
 

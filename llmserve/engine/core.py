@@ -17,6 +17,7 @@ from llmserve.model_executor.models.registry import resolve_runner
 from llmserve.scheduling.kv_cache_manager import KVCacheManager, cdiv
 from llmserve.scheduling.request import Request, RequestStatus
 from llmserve.scheduling.scheduler import Scheduler
+from llmserve.spec_decode.speculator import Speculator
 from llmserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -67,11 +68,17 @@ class EngineCore:
             config.cache_config.enable_prefix_caching and not whole_prompts,
             sliding_window=arch_config.cache_window,
         )
+        speculative = config.speculative_config
+        if speculative is not None and runner == "pooling":
+            raise ValueError(
+                "speculative_config applies to generation; the pooling runner generates no tokens."
+            )
         self.scheduler = Scheduler(
             config.scheduler_config,
             self.kv_cache_manager,
             self.limits.max_model_len,
             chunked_prefill=not whole_prompts,
+            speculator=None if speculative is None else Speculator(speculative, max_model_len),
         )
         self.structured_output_manager = StructuredOutputManager(
             source, self.limits.vocab_size, config.scheduler_config.max_num_seqs

@@ -84,6 +84,17 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         return self.finish_reason is not None
 
 
+class SpecDecodingStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Speculative decoding's totals since the core started, as vLLM counts them: `num_drafts` checked
+    steps of `num_draft_tokens` guessed tokens, `num_accepted_tokens` of them confirmed; per guess
+    position, how many were (position i only where the i before it were)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     """A snapshot of the core after one step, for stats logging and /metrics."""
 
@@ -96,6 +107,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_total_blocks: int = 0
     prefix_cache_queries: int = 0  # cumulative: prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # cumulative: of which found cached
+    spec_decoding: SpecDecodingStats | None = None  # with a speculative config
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -84,18 +84,17 @@ class RequestState:
         elif m.last_token_time is not None:
             stats.inter_token_latencies.append(now - m.last_token_time)
         m.last_token_time = now
-        stats.num_generation_tokens += len(output.new_token_ids)
-        self.token_ids.extend(output.new_token_ids)
+        self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
+        new_token_ids, stopped = self._detokenize(output.new_token_ids)
+        stats.num_generation_tokens += len(new_token_ids)
+        self.token_ids.extend(new_token_ids)
         if self.logprobs is not None and output.new_logprobs:
-            for entry in output.new_logprobs:
+            new_logprobs = output.new_logprobs[: len(new_token_ids)]
+            for entry in new_logprobs:
                 self.cumulative_logprob += entry.logprobs[0]
-            self.logprobs.extend(self._logprob_dicts(output.new_logprobs))
+            self.logprobs.extend(self._logprob_dicts(new_logprobs))
         if self.prompt_logprobs is not None and output.new_prompt_logprobs:
             self.prompt_logprobs.extend(self._logprob_dicts(output.new_prompt_logprobs))
-        previous_len = len(self.text)
-        self.text += self.detokenizer.decode(output.new_token_ids)
-        self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
-        stopped = self._check_stop_strings(previous_len)
         if self.finish_reason is not None:
             m.finished_time = now
             stats.finished_requests.append(
@@ -107,6 +106,21 @@ class RequestState:
                 )
             )
         return stopped
+
+    def _detokenize(self, token_ids: list[int]) -> tuple[list[int], bool]:
+        """Add the tokens' text. With stop strings, token by token: one output may carry several
+        tokens (confirmed guesses), and the first token that completes a stop string ends the request
+        there, as it would have in a step of its own. Returns the tokens kept, and whether a stop string
+        ended the request."""
+        if not self.stop_strings:
+            self.text += self.detokenizer.decode(token_ids)
+            return token_ids, False
+        for i, token_id in enumerate(token_ids):
+            previous_len = len(self.text)
+            self.text += self.detokenizer.decode([token_id])
+            if self._check_stop_strings(previous_len):
+                return token_ids[: i + 1], True
+        return token_ids, False
 
     def _logprob_dicts(self, entries: list[TokenLogprobs]) -> list[dict[int, Logprob]]:
         """One {token: Logprob} per position, every token's text decoded in one call."""

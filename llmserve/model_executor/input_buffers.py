@@ -44,6 +44,7 @@ class InputBuffers:
         table = np.asarray(block_ids, dtype=np.int64)
         self.slots.numpy()[at : at + n] = table[positions // block_size] * block_size + positions % block_size
 
-    def write_decode(self, row: int, block_ids: list[int], seq_len: int) -> None:
-        self.decode_tables.numpy()[row, : len(block_ids)] = block_ids
-        self.decode_lens.numpy()[row] = seq_len
+    def write_decodes(self, row: int, count: int, block_ids: list[int], seq_len: int) -> None:
+        """`count` decode rows of one sequence from `row`, of lengths seq_len, seq_len + 1, ..."""
+        self.decode_tables.numpy()[row : row + count, : len(block_ids)] = block_ids
+        self.decode_lens.numpy()[row : row + count] = np.arange(seq_len, seq_len + count)

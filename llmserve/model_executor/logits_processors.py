@@ -83,6 +83,18 @@ def _needs_processing(request: Request) -> bool:
     )
 
 
+def reads_history(request: Request) -> bool:
+    """Whether the request's processing at a position depends on the tokens before it: penalties, bad
+    words, and min_tokens while unmet. Rows of guessed tokens (spec_decode/) need it not to: they are
+    all processed from the request's state before the guesses."""
+    params = request.sampling_params
+    return (
+        bool(request.bad_words_token_ids)
+        or request.num_output_tokens < params.min_tokens
+        or _uses_penalties(params)
+    )
+
+
 def _uses_penalties(params: SamplingParams) -> bool:
     return (
         params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0

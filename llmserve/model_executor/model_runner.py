@@ -22,6 +22,7 @@ from llmserve.model_executor.models.decoder_config import DecoderConfig
 from llmserve.model_executor.models.registry import model_class
 from llmserve.model_executor.pooler import Pooler, PoolerConfig, PoolingSpan, vector_bytes
 from llmserve.model_executor.sampler import SamplingMetadata, gather_logprobs, sample
+from llmserve.scheduling.request import Request
 from llmserve.scheduling.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from llmserve.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
 
@@ -108,9 +109,9 @@ class ModelRunner:
             self._generators.pop(request_id, None)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput({})
-        # Single-token steps first: they are attended together as one batched decode.
-        batch = sorted(scheduler_output.scheduled, key=lambda s: s.num_new_tokens != 1)
-        input_ids, positions, meta, sample_rows, last_tokens = self._prepare_inputs(batch)
+        # Decode rows first: they are attended together as one batched decode.
+        batch = sorted(scheduler_output.scheduled, key=lambda s: not _decodes(s))
+        input_ids, positions, meta, sample_rows = self._prepare_inputs(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if self.pooler is not None:
             return ModelRunnerOutput({}, pooled=self._pool(batch, hidden, self.pooler))
@@ -118,8 +119,9 @@ class ModelRunner:
         if any(s.request.sampling_params.prompt_logprobs is not None for s in batch):
             output.prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if sample_rows:
-            last_hidden = hidden[torch.tensor(last_tokens, device=self.device)]
-            self._sample([batch[i] for i in sample_rows], last_hidden, output, grammar_bitmask)
+            sampling = [s for s in batch if s.samples]
+            rows = torch.tensor(sample_rows, device=self.device)
+            self._sample(sampling, hidden[rows], output, grammar_bitmask)
         return output
 
     def _sample(
@@ -129,26 +131,46 @@ class ModelRunner:
         output: ModelRunnerOutput,
         grammar_bitmask: GrammarBitmask | None,
     ) -> None:
-        """Sample one token per row from the processed logits; logprobs come from the raw ones, after
-        the grammar bitmask (as vLLM's: a token the grammar forbids has logprob -inf)."""
+        """Sample every row of `hidden`: one per request, or with guesses one per guess and one after
+        them, all from the request's state before the guesses (the scheduler guesses only for requests
+        whose processing allows it). Tokens come from the processed logits; logprobs from the raw ones,
+        after the grammar bitmask (as vLLM's: a token the grammar forbids has logprob -inf)."""
         logits = self.model.compute_logits(hidden)  # [rows, vocab] fp32
-        ids = [s.request.request_id for s in sampling]
+        counts = [1 + len(s.spec_token_ids) for s in sampling]
+        row_requests = [s.request for s, n in zip(sampling, counts) for _ in range(n)]
         if grammar_bitmask is not None:
-            apply_grammar_bitmask(logits, ids, grammar_bitmask)
-        processing = build_logits_metadata([s.request for s in sampling], logits.shape[-1], self.device)
+            apply_grammar_bitmask(logits, [r.request_id for r in row_requests], grammar_bitmask)
+        processing = build_logits_metadata(row_requests, logits.shape[-1], self.device)
         processed = logits if processing is None else apply_logits_processors(logits, processing)
-        sampled = sample(processed, self._sampling_metadata(sampling))
-        output.sampled_token_ids = dict(zip(ids, sampled.tolist()))
+        drafts = None
+        if any(n > 1 for n in counts):
+            guesses = [t for s in sampling for t in (*s.spec_token_ids, -1)]
+            drafts = torch.tensor(guesses, dtype=torch.int64, device=self.device)
+        sampled = sample(processed, self._sampling_metadata(row_requests), drafts)
+        row_tokens = sampled.tolist()
+        first = list(itertools.accumulate(counts, initial=0))
+        kept: list[int] = []  # per request: its confirmed guesses and the token after them
+        for sched, start in zip(sampling, first):
+            n = 0
+            for n, guess in enumerate(sched.spec_token_ids, 1):
+                if row_tokens[start + n - 1] != guess:
+                    break
+            else:
+                n += 1
+            kept.append(n)
+        ids = [s.request.request_id for s in sampling]
+        output.sampled_token_ids = {
+            request_id: row_tokens[start : start + n] for request_id, start, n in zip(ids, first, kept)
+        }
         wanted = [
-            (row, k)
-            for row, s in enumerate(sampling)
-            if (k := s.request.sampling_params.logprobs) is not None
+            (i, k) for i, s in enumerate(sampling) if (k := s.request.sampling_params.logprobs) is not None
         ]
         if wanted:
-            rows = torch.tensor([row for row, _ in wanted], device=self.device)
-            ks = [self.config.vocab_size if k == -1 else k for _, k in wanted]
-            entries = gather_logprobs(logits[rows], sampled[rows], ks)
-            output.logprobs = {ids[row]: entry for (row, _), entry in zip(wanted, entries)}
+            rows = [first[i] + j for i, _ in wanted for j in range(kept[i])]
+            ks = [self.config.vocab_size if k == -1 else k for i, k in wanted for _ in range(kept[i])]
+            index = torch.tensor(rows, device=self.device)
+            entries = iter(gather_logprobs(logits[index], sampled[index], ks))
+            output.logprobs = {ids[i]: list(itertools.islice(entries, kept[i])) for i, _ in wanted}
 
     @staticmethod
     def _pool(batch: list[ScheduledRequest], hidden: torch.Tensor, pooler: Pooler) -> dict[str, bytes]:
@@ -201,53 +223,57 @@ class ModelRunner:
 
     def _prepare_inputs(
         self, batch: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
-        """Flat token ids and positions, attention metadata, and which rows sample at which token."""
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Flat token ids and positions, attention metadata, and the rows that sample: each sampling
+        request's last token, or that and its guesses."""
         bs, buffers = self.block_size, self.inputs
-        decodes = [s for s in batch if s.num_new_tokens == 1]  # first in the batch (see execute_model)
+        decodes = [s for s in batch if _decodes(s)]  # first in the batch (see execute_model)
+        num_decode_rows = sum(s.num_new_tokens for s in decodes)
         buffers.reserve(
             sum(s.num_new_tokens for s in batch),
-            len(decodes),
+            num_decode_rows,
             max((len(s.block_ids) for s in decodes), default=0),
         )
         prefills: list[PrefillChunk] = []
         sample_rows: list[int] = []
-        last_tokens: list[int] = []
         at = 0
-        for row, sched in enumerate(batch):
-            request, n = sched.request, sched.num_new_tokens
+        for sched in batch:
+            request, n, guesses = sched.request, sched.num_new_tokens, sched.spec_token_ids
             start = request.num_computed_tokens
-            buffers.write_tokens(at, request.all_token_ids[start : start + n], start, sched.block_ids, bs)
-            if n == 1:
-                buffers.write_decode(row, sched.block_ids, start + 1)
+            tokens = request.all_token_ids[start : start + n - len(guesses)] + guesses
+            buffers.write_tokens(at, tokens, start, sched.block_ids, bs)
+            if _decodes(sched):
+                # A guess is one more decode row of its sequence, seeing the keys up to its own.
+                buffers.write_decodes(at, n, sched.block_ids, start + 1)
             else:
                 table = torch.tensor(sched.block_ids, dtype=torch.int64, device=self.device)
                 prefills.append(PrefillChunk(at, n, start, table))
             at += n
             if sched.samples:
-                sample_rows.append(row)
-                last_tokens.append(at - 1)
-        num_decodes = len(decodes)
+                sample_rows.extend(range(at - 1 - len(guesses), at))
         meta = AttentionMetadata(
             slot_mapping=buffers.slots[:at].to(self.device),
-            num_decodes=num_decodes,
-            decode_block_tables=buffers.decode_tables[:num_decodes].to(self.device),
-            decode_seq_lens=buffers.decode_lens[:num_decodes].to(self.device),
-            decode_max_len=max((s.request.num_computed_tokens + 1 for s in decodes), default=0),
+            num_decodes=num_decode_rows,
+            decode_block_tables=buffers.decode_tables[:num_decode_rows].to(self.device),
+            decode_seq_lens=buffers.decode_lens[:num_decode_rows].to(self.device),
+            decode_max_len=max(
+                (s.request.num_computed_tokens + s.num_new_tokens for s in decodes), default=0
+            ),
             prefills=prefills,
             native_decode=self.native,
         )
         token_ids, positions = buffers.token_ids[:at].to(self.device), buffers.positions[:at].to(self.device)
-        return token_ids, positions, meta, sample_rows, last_tokens
+        return token_ids, positions, meta, sample_rows
 
-    def _sampling_metadata(self, batch: list[ScheduledRequest]) -> SamplingMetadata:
-        params = [s.request.sampling_params for s in batch]
+    def _sampling_metadata(self, rows: list[Request]) -> SamplingMetadata:
+        """Each row's settings: its request's (a request with guesses has several rows)."""
+        params = [r.sampling_params for r in rows]
         vocab = self.config.vocab_size
         temperature = [0.0 if p.greedy else p.temperature for p in params]
         generators: dict[int, torch.Generator] = {}
-        for row, (sched, p) in enumerate(zip(batch, params)):
+        for row, (request, p) in enumerate(zip(rows, params)):
             if p.seed is not None and not p.greedy:
-                generators[row] = self._generator(sched.request.request_id, p.seed)
+                generators[row] = self._generator(request.request_id, p.seed)
 
         def column(values: list[float], neutral: float, dtype: torch.dtype) -> torch.Tensor | None:
             if all(v == neutral for v in values):
@@ -269,3 +295,8 @@ class ModelRunner:
             generator = torch.Generator(device=self.device).manual_seed(seed)
             self._generators[request_id] = generator
         return generator
+
+
+def _decodes(sched: ScheduledRequest) -> bool:
+    """Whether the scheduled tokens are decode rows: one token, or one and its guesses."""
+    return sched.num_new_tokens == 1 or bool(sched.spec_token_ids)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.engine.messages import TokenLogprobs
+from llmserve.model_executor.rejection_sampler import accept_drafts
 
 
 @dataclass
@@ -21,10 +22,14 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]  # row → its request's seeded generator
 
 
-def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, meta: SamplingMetadata, draft_token_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """logits [batch, vocab] fp32, after `apply_logits_processors` → token ids [batch] int64.
 
     Temperature, then min-p, then top-k and top-p; greedy rows take the argmax of the given logits.
+    With `draft_token_ids` ([batch], -1 where a row has none), a random row's guess is kept or replaced
+    as `rejection_sampler.accept_drafts` says; a greedy row's token is its argmax whatever the guess.
     """
     greedy = logits.argmax(dim=-1)
     if meta.all_greedy:
@@ -40,7 +45,11 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     if meta.top_k is not None or meta.top_p is not None:
         logits = _apply_top_k_top_p(logits, meta.top_k, meta.top_p)
     probs = logits.softmax(dim=-1)
-    random = _exponential_race(probs, meta.generators)
+    if draft_token_ids is None:
+        random = _exponential_race(probs, meta.generators)
+    else:
+        residual, accepted = accept_drafts(probs, draft_token_ids, meta.generators)
+        random = torch.where(accepted, draft_token_ids, _exponential_race(residual, meta.generators))
     return torch.where(meta.temperature > 0, random, greedy)
 
 

@@ -14,6 +14,7 @@ from llmserve.engine.messages import EngineCoreOutput, FinishReason, SchedulerSt
 from llmserve.scheduling.kv_cache_manager import KVCacheManager
 from llmserve.scheduling.request import Request, RequestStatus
 from llmserve.scheduling.request_queue import RequestQueue, make_request_queue
+from llmserve.spec_decode.speculator import Speculator
 
 
 @dataclass
@@ -21,12 +22,16 @@ class ScheduledRequest:
     """`num_new_tokens` of `request`, starting at its `num_computed_tokens`, run this step.
 
     `samples` says whether they reach the end of the request's tokens, so a new token is sampled.
+    `spec_token_ids` are guesses of the tokens after them, checked in the same step (counted in
+    `num_new_tokens`): every one of those rows samples, and the request keeps the guesses the samples
+    confirm plus the first sample that differs, or the one after the last guess.
     """
 
     request: Request
     num_new_tokens: int
     block_ids: list[int]
     samples: bool
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -41,12 +46,12 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """The token sampled for each request whose scheduled tokens reached its end, and its logprobs
-    for the requests that asked; for those that asked for prompt logprobs, the prompt positions this
-    step scored for the first time."""
+    """The tokens sampled for each request whose scheduled tokens reached its end (one, or with
+    guesses the confirmed ones and one more), and their logprobs for the requests that asked; for those
+    that asked for prompt logprobs, the prompt positions this step scored for the first time."""
 
-    sampled_token_ids: dict[str, int]
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # the pooling runner's: each request whose prompt this step completed → its vector (float32 bytes)
     pooled: dict[str, bytes] = field(default_factory=dict)
@@ -70,6 +75,10 @@ class Scheduler:
     (`WAITING_FOR_FSM`) keeps its place in the queue while later ones are admitted past it; one whose
     grammar failed ends with `FinishReason.ERROR`. `clock` is for tests.
 
+    With a `speculator`, a running request with one token left to compute may have it checked with
+    guesses of the tokens after it (spec_decode/), when the budget and the KV pool have room for them:
+    guesses never cause a preemption.
+
     Without `chunked_prefill` (encoders, whole-prompt pooling) a prompt is admitted only whole, in a
     step with room for all of it; the engine core makes sure the longest fits an empty step. A pooling
     request finishes in the step that completes its prompt, and frees its blocks there.
@@ -82,8 +91,10 @@ class Scheduler:
         max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
         chunked_prefill: bool = True,
+        speculator: Speculator | None = None,
     ):
         self.config = config
+        self.speculator = speculator
         self.chunked_prefill = chunked_prefill
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
@@ -118,10 +129,19 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted = False
 
+        speculating = self.speculator is not None and self.speculator.speculates(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if speculating and num_new == 1:
+                assert self.speculator is not None
+                drafts = self.speculator.propose(request, budget - 1)
+                if drafts and self.kv_cache_manager.allocate_slots(request, 1 + len(drafts)):
+                    scheduled.append(self._scheduled(request, 1 + len(drafts), drafts))
+                    budget -= 1 + len(drafts)
+                    i += 1
+                    continue
             while not self.kv_cache_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -199,12 +219,14 @@ class Scheduler:
             request.status = RequestStatus.WAITING
         return ready
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledRequest:
+        drafts = drafts or []
         return ScheduledRequest(
             request,
             num_new,
             self.kv_cache_manager.get_block_ids(request.request_id),
-            samples=request.num_computed_tokens + num_new == request.num_tokens,
+            samples=request.num_computed_tokens + num_new - len(drafts) == request.num_tokens,
+            spec_token_ids=drafts,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -225,7 +247,8 @@ class Scheduler:
             request = sched.request
             if request.status.finished:  # aborted while the step ran
                 continue
-            request.num_computed_tokens += sched.num_new_tokens
+            num_drafts = len(sched.spec_token_ids)
+            request.num_computed_tokens += sched.num_new_tokens - num_drafts
             self.kv_cache_manager.cache_full_blocks(request)
             prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
             if prompt_logprobs:
@@ -237,30 +260,45 @@ class Scheduler:
                 output = EngineCoreOutput(request.request_id, [], FinishReason.STOP, pooling_output=pooled)
                 outputs.append(output)
                 continue
-            token = runner_output.sampled_token_ids.get(request.request_id)
-            if token is None:
+            tokens = runner_output.sampled_token_ids.get(request.request_id)
+            if tokens is None:
                 continue
-            request.append_output_token(token)
-            grammar = request.structured_output.grammar if request.structured_output else None
-            if grammar is not None and not grammar.accept_tokens([token]):
-                outputs.append(
-                    self._fail(request, f"structured_outputs rejected token {token}: {grammar.error}")
-                )
-                continue
-            if request.check_stop():
-                self._free_finished(request)
-            logprobs = runner_output.logprobs.get(request.request_id)
+            if num_drafts:
+                assert self.speculator is not None
+                self.speculator.record(request, num_drafts, len(tokens) - 1)
             outputs.append(
-                EngineCoreOutput(
-                    request.request_id,
-                    [token],
-                    request.status.finish_reason,
-                    request.stop_reason,
-                    None if logprobs is None else [logprobs],
-                    request.take_prompt_logprobs(),
-                )
+                self._append_tokens(request, tokens, runner_output.logprobs.get(request.request_id))
             )
         return outputs
+
+    def _append_tokens(
+        self, request: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None
+    ) -> EngineCoreOutput:
+        """Append a step's sampled tokens one by one, as if each had its own step: the grammar accepts
+        each, and the first that stops the request drops those after it. Every one but the last is a
+        confirmed guess, whose row computed its KV."""
+        grammar = request.structured_output.grammar if request.structured_output else None
+        kept: list[int] = []
+        for token in tokens:
+            request.append_output_token(token)
+            kept.append(token)
+            if grammar is not None and not grammar.accept_tokens([token]):
+                return self._fail(request, f"structured_outputs rejected token {token}: {grammar.error}")
+            if request.check_stop():
+                break
+        if len(kept) > 1:
+            request.num_computed_tokens += len(kept) - 1
+            self.kv_cache_manager.cache_full_blocks(request)
+        if request.status.finished:
+            self._free_finished(request)
+        return EngineCoreOutput(
+            request.request_id,
+            kept,
+            request.status.finish_reason,
+            request.stop_reason,
+            None if logprobs is None else logprobs[: len(kept)],
+            request.take_prompt_logprobs(),
+        )
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[str]:
         """Finish (abort) requests wherever they are; unknown or finished ids are ignored."""
@@ -281,6 +319,8 @@ class Scheduler:
     def _free_finished(self, request: Request) -> None:
         if request in self.running:
             self.running.remove(request)
+        if self.speculator is not None:
+            self.speculator.free(request.request_id)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
@@ -296,4 +336,5 @@ class Scheduler:
             num_total_blocks=self.kv_cache_manager.block_pool.num_blocks,
             prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
+            spec_decoding=None if self.speculator is None else self.speculator.snapshot(),
         )

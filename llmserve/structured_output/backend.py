@@ -15,6 +15,10 @@ class Grammar(ABC):
         """Advance over `tokens`; False (and `error` says why) when the grammar rejects one."""
 
     @abstractmethod
+    def validate_tokens(self, tokens: list[int]) -> int:
+        """How many of `tokens`, from the first, the grammar would accept next; the state is unchanged."""
+
+    @abstractmethod
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens."""
 
@@ -40,5 +44,6 @@ class StructuredOutputBackend(ABC):
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor: ...
 
     @abstractmethod
-    def fill_bitmask(self, grammars: list[Grammar], bitmask: torch.Tensor) -> None:
-        """Row i of `bitmask` := the tokens `grammars[i]` allows next (EOS only where it is complete)."""
+    def fill_bitmask(self, grammars: list[Grammar], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Row `rows[i]` of `bitmask` := the tokens `grammars[i]` allows next (EOS only where it is
+        complete)."""

@@ -19,6 +19,9 @@ class LLGuidanceGrammar(Grammar):
     def accept_tokens(self, tokens: list[int]) -> bool:
         return self.matcher.consume_tokens(tokens)
 
+    def validate_tokens(self, tokens: list[int]) -> int:
+        return self.matcher.validate_tokens(tokens)
+
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
 
@@ -52,8 +55,8 @@ class LLGuidanceBackend(StructuredOutputBackend):
         words = (self.vocab_size + 31) // 32
         return torch.full((num_rows, words), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
 
-    def fill_bitmask(self, grammars: list[Grammar], bitmask: torch.Tensor) -> None:
+    def fill_bitmask(self, grammars: list[Grammar], bitmask: torch.Tensor, rows: list[int]) -> None:
         assert bitmask.dtype == torch.int32 and bitmask.is_cpu and bitmask.is_contiguous()
-        matchers = [(cast(LLGuidanceGrammar, g).matcher, row) for row, g in enumerate(grammars)]
+        matchers = [(cast(LLGuidanceGrammar, g).matcher, row) for g, row in zip(grammars, rows)]
         row_bytes = bitmask.shape[1] * 4
         self.executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), row_bytes, bitmask.shape[0])

@@ -7,6 +7,7 @@ view of it) is built then, in the pool, so neither start-up nor the other reques
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import os
 import threading
 
@@ -70,19 +71,36 @@ class StructuredOutputManager:
 
     def grammar_bitmask(self, scheduled: list[ScheduledRequest]) -> GrammarBitmask | None:
         """The bitmask for this step's sampling requests that have a grammar; None when there are none
-        (before the first structured request this costs one attribute check)."""
+        (before the first structured request this costs one attribute check). A request with guesses
+        gets a row per guess and one after them: its grammar advances over the guesses as it fills
+        them, then rolls back (the scheduler kept only guesses the grammar accepts)."""
         if self.backend is None:
             return None
         ids: list[str] = []
         grammars: list[Grammar] = []
+        guesses: list[list[int]] = []
         for sched in scheduled:
             structured = sched.request.structured_output
             if sched.samples and structured is not None and structured.grammar is not None:
                 ids.append(sched.request.request_id)
                 grammars.append(structured.grammar)
+                guesses.append(sched.spec_token_ids)
         if not grammars:
             return None
-        if self._bitmask is None:
-            self._bitmask = self.backend.allocate_bitmask(self.max_num_seqs)
-        self.backend.fill_bitmask(grammars, self._bitmask)
-        return GrammarBitmask(ids, self._bitmask[: len(grammars)])
+        num_rows = [1 + len(g) for g in guesses]
+        total = sum(num_rows)
+        if self._bitmask is None or self._bitmask.shape[0] < total:
+            self._bitmask = self.backend.allocate_bitmask(max(total, self.max_num_seqs))
+        starts = list(itertools.accumulate(num_rows, initial=0))
+        self.backend.fill_bitmask(grammars, self._bitmask, starts[:-1])
+        for j in range(1, max(num_rows)):  # row j of each request with j guesses or more
+            ahead = [i for i, g in enumerate(guesses) if len(g) >= j]
+            for i in ahead:
+                grammars[i].accept_tokens([guesses[i][j - 1]])
+            self.backend.fill_bitmask(
+                [grammars[i] for i in ahead], self._bitmask, [starts[i] + j for i in ahead]
+            )
+        for grammar, g in zip(grammars, guesses):
+            if g:
+                grammar.rollback(len(g))
+        return GrammarBitmask(ids, num_rows, self._bitmask[:total])

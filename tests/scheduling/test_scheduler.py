@@ -16,7 +16,7 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, **config: Any) -> 
 
 def fake_run(output: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
     """Sample `token` for every request whose scheduled tokens reach its end, as the runner does."""
-    return ModelRunnerOutput({s.request.request_id: token for s in output.scheduled if s.samples})
+    return ModelRunnerOutput({s.request.request_id: [token] for s in output.scheduled if s.samples})
 
 
 def step(scheduler: Scheduler) -> SchedulerOutput:

@@ -36,12 +36,14 @@ def test_bitmask_on_logits_masks_exactly_what_each_matcher_forbids(
     }
     grammars["regex"].accept_tokens(tokenizer.encode("12", add_special_tokens=False))  # may end here
     bitmask = backend.allocate_bitmask(8)
-    backend.fill_bitmask(list(grammars.values()), bitmask)
+    backend.fill_bitmask(list(grammars.values()), bitmask, [0, 1, 2])
     # a batch of 5 rows, 3 of them constrained, in another order than the bitmask's
     batch_ids = ["free1", "choice", "json", "free2", "regex"]
     logits = torch.randn(5, VOCAB_SIZE)
     before = logits.clone()
-    apply_grammar_bitmask(logits, batch_ids, GrammarBitmask(list(grammars), bitmask[: len(grammars)]))
+    apply_grammar_bitmask(
+        logits, batch_ids, GrammarBitmask(list(grammars), [1, 1, 1], bitmask[: len(grammars)])
+    )
     for row, request_id in enumerate(batch_ids):
         if request_id.startswith("free"):
             assert torch.equal(logits[row], before[row])

@@ -23,6 +23,9 @@ class CountingGrammar(Grammar):
         self.accepted += tokens
         return len(self.accepted) <= self.length
 
+    def validate_tokens(self, tokens: list[int]) -> int:
+        return min(len(tokens), self.length - len(self.accepted))
+
     def rollback(self, num_tokens: int) -> None:
         del self.accepted[len(self.accepted) - num_tokens :]
 
