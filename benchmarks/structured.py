@@ -169,7 +169,7 @@ def backend_costs(
     rng, fill_s = torch.Generator().manual_seed(seed), []
     for _ in range(steps):
         start = time.perf_counter()
-        backend.fill_bitmask(active, bitmask)
+        backend.fill_bitmask(active, bitmask, list(range(len(active))))
         fill_s.append(time.perf_counter() - start)
         for row, grammar in enumerate(active):
             allowed = allowed_tokens(bitmask[row], len(tokenizer))

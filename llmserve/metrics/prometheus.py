@@ -1,7 +1,8 @@
 """Engine stats as Prometheus metrics, for the server's `/metrics`. Names follow vLLM's, prefixed
 `llmserve:`, so existing dashboards need only the prefix changed; the few that routers read (llm-d's
 endpoint picker, vllm-router, the Gateway API inference extension) are exported under vLLM's own
-`vllm:` names as well, with vLLM's meaning and labels.
+`vllm:` names as well, with vLLM's meaning and labels, and so are speculative decoding's counters, which
+vLLM's dashboards read.
 
 Every series carries `model_name` and `engine`: the data-parallel rank ("0".."N-1"), as vLLM labels
 them. With more than one rank our gauges also carry a server-wide series, `engine="all"`; vLLM's names
@@ -16,7 +17,7 @@ from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from llmserve.engine.messages import SchedulerStats
+from llmserve.engine.messages import SchedulerStats, SpecDecodingStats
 from llmserve.metrics.stats import IterationStats
 
 # Bucket bounds in seconds: every bound of vLLM's own histograms, so that a query written for vLLM's
@@ -100,6 +101,22 @@ METRICS = (
     MetricSpec("e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds",
                "Time from arrival to the last token.", Kind.HISTOGRAM, buckets=E2E_BUCKETS),
 )  # fmt: skip
+# Speculative decoding's counters, each the increases of a `SpecDecodingStats` total (`core_field`).
+# vLLM registers them only with a speculative config; we learn of one from the first stats that carry
+# `spec_decoding`, and create them then, every rank's series at 0, per guess position ("0".."K-1") for
+# the last. Acceptance rate per position, in PromQL: `rate(vllm:spec_decode_num_accepted_tokens_per_pos_total
+# [5m]) / ignoring(position) group_left rate(vllm:spec_decode_num_drafts_total[5m])`.
+SPEC_DECODE_METRICS = (
+    MetricSpec("spec_decode_num_drafts", "vllm:spec_decode_num_drafts",
+               "Decode steps that checked guessed tokens.", Kind.COUNTER, "num_drafts"),
+    MetricSpec("spec_decode_num_draft_tokens", "vllm:spec_decode_num_draft_tokens", "Guessed tokens checked.",
+               Kind.COUNTER, "num_draft_tokens"),
+    MetricSpec("spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens",
+               "Guessed tokens accepted.", Kind.COUNTER, "num_accepted_tokens"),
+    MetricSpec("spec_decode_num_accepted_tokens_per_pos", "vllm:spec_decode_num_accepted_tokens_per_pos",
+               "Guessed tokens accepted, by position in the guess.", Kind.COUNTER,
+               "num_accepted_tokens_per_pos", extra_label="position"),
+)  # fmt: skip
 GAUGE_SPECS = [spec for spec in METRICS if spec.kind is Kind.GAUGE]
 CORE_COUNTER_SPECS = [spec for spec in METRICS if spec.kind is Kind.COUNTER and spec.core_field]
 
@@ -119,14 +136,16 @@ class Twin(Generic[M]):
         return [m.labels(*values) for m in (self.ours, self.vllm) if m is not None]
 
 
-def twins(kind: Kind, new: Callable[[MetricSpec, str, str], M]) -> dict[str, Twin[M]]:
+def twins(
+    kind: Kind, new: Callable[[MetricSpec, str, str], M], specs: tuple[MetricSpec, ...] = METRICS
+) -> dict[str, Twin[M]]:
     """The table's metrics of `kind`, each made by `new(spec, name, help)` under our name and vLLM's."""
     return {
         spec.name: Twin(
             new(spec, f"llmserve:{spec.name}", spec.our_help),
             new(spec, spec.vllm_name, spec.help) if spec.vllm_name else None,
         )
-        for spec in METRICS
+        for spec in specs
         if spec.kind is kind
     }
 
@@ -145,14 +164,15 @@ class PrometheusStatLogger:
         self.model_name = model_name
         self.num_engines = num_engines
         self.gauges = twins(Kind.GAUGE, lambda s, name, doc: Gauge(name, doc, s.labelnames, registry=r))
-        self.counters = twins(Kind.COUNTER, lambda s, name, doc: Counter(name, doc, s.labelnames, registry=r))
+        self.counters = twins(Kind.COUNTER, self._counter)
         self.histograms = twins(
             Kind.HISTOGRAM,
             lambda s, name, doc: Histogram(name, doc, s.labelnames, buckets=s.buckets, registry=r),
         )
-        # Per rank: the gauges' last values (for the "all" series) and the core's last totals.
+        # Per rank: the gauges' last values (for the "all" series); per counter series (name, then
+        # label values): the core's last total.
         self._gauge_values = {spec.name: [0.0] * num_engines for spec in GAUGE_SPECS}
-        self._core_seen = {spec.name: [0] * num_engines for spec in CORE_COUNTER_SPECS}
+        self._core_seen: dict[tuple[str, ...], int] = {}
         # Every series present (at 0) from the start, so that rates work from the first scrape.
         by_rank: list[Twin[Any]] = [*self.gauges.values(), *self.counters.values(), *self.histograms.values()]
         by_rank.remove(self.counters["request_success"])
@@ -177,11 +197,9 @@ class PrometheusStatLogger:
         if scheduler_stats is not None:
             self._record_gauges(scheduler_stats, engine_index)
             for spec in CORE_COUNTER_SPECS:
-                total, seen = getattr(scheduler_stats, str(spec.core_field)), self._core_seen[spec.name]
-                if total > seen[engine_index]:
-                    for counter in counters[spec.name].labels(*labels):
-                        counter.inc(total - seen[engine_index])
-                    seen[engine_index] = total
+                self._take_increase(spec.name, labels, getattr(scheduler_stats, str(spec.core_field)))
+            if scheduler_stats.spec_decoding is not None:
+                self._record_spec_decoding(scheduler_stats.spec_decoding, labels)
         for counter in counters["prompt_tokens"].labels(*labels):
             counter.inc(iteration_stats.num_prompt_tokens)
         for counter in counters["generation_tokens"].labels(*labels):
@@ -198,6 +216,35 @@ class PrometheusStatLogger:
         for finished in iteration_stats.finished_requests:
             for counter in counters["request_success"].labels(*labels, finished.finish_reason):
                 counter.inc()
+
+    def _counter(self, spec: MetricSpec, name: str, doc: str) -> Counter:
+        return Counter(name, doc, spec.labelnames, registry=self.registry)
+
+    def _take_increase(self, name: str, labels: tuple[str, ...], total: int) -> None:
+        """Adds to counter `name`'s series the core's `total` less the last one seen there; a smaller
+        total (a snapshot that arrived late) adds nothing."""
+        key = (name, *labels)
+        seen = self._core_seen.get(key, 0)
+        if total > seen:
+            for counter in self.counters[name].labels(*labels):
+                counter.inc(total - seen)
+            self._core_seen[key] = total
+
+    def _record_spec_decoding(self, stats: SpecDecodingStats, labels: tuple[str, str]) -> None:
+        if SPEC_DECODE_METRICS[0].name not in self.counters:  # the first stats from a speculative core
+            self.counters.update(twins(Kind.COUNTER, self._counter, SPEC_DECODE_METRICS))
+            positions = [str(p) for p in range(len(stats.num_accepted_tokens_per_pos))]
+            for rank in map(str, range(self.num_engines)):
+                for spec in SPEC_DECODE_METRICS:
+                    for extra in [(p,) for p in positions] if spec.extra_label else [()]:
+                        self.counters[spec.name].labels(self.model_name, rank, *extra)
+        for spec in SPEC_DECODE_METRICS:
+            total = getattr(stats, str(spec.core_field))
+            if spec.extra_label:  # a total per guess position
+                for position, count in enumerate(total):
+                    self._take_increase(spec.name, (*labels, str(position)), count)
+            else:
+                self._take_increase(spec.name, labels, total)
 
     def _record_gauges(self, stats: SchedulerStats, engine_index: int) -> None:
         """The rank's gauges, then the server-wide series that its value changes."""
