@@ -133,7 +133,7 @@ class SpeculativeConfig:
     where neither both are 5, as in vLLM.
 
     Speculation pays only while a step is bound by reading the weights: a step of more than
-    `disable_by_batch_size` running requests speculates for none of them (None: the default, 8), and a
+    `disable_by_batch_size` running requests speculates for none of them (None: the default, 2), and a
     request whose guesses keep failing stops guessing (spec_decode/speculator.py)."""
 
     method: SpeculativeMethod
@@ -173,7 +173,7 @@ class SpeculativeConfig:
     @property
     def max_batch_size(self) -> int:
         """The most running requests at which a step still speculates."""
-        return 8 if self.disable_by_batch_size is None else self.disable_by_batch_size
+        return 2 if self.disable_by_batch_size is None else self.disable_by_batch_size
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
