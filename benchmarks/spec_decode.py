@@ -339,7 +339,8 @@ def markdown(args: argparse.Namespace, machine: dict[str, object], rows: list[di
         f"GiB; other work at the start: {m['foreign_load_cores']} cores. Model: {args.model}; ngram, "
         f"num_speculative_tokens={args.num_speculative_tokens}, prompt_lookup_min={args.prompt_lookup_min},"
         f" prompt_lookup_max={args.prompt_lookup_max}, no guesses in steps of more than "
-        f"{speculative_config(args).max_batch_size} running requests; greedy, max_tokens={args.max_tokens}.",
+        f"{speculative_config(args).speculating_batch_size} running requests; greedy, "
+        f"max_tokens={args.max_tokens}.",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|---" * len(COLUMNS) + "|",

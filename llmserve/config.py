@@ -133,8 +133,11 @@ class SpeculativeConfig:
     where neither both are 5, as in vLLM.
 
     Speculation pays only while a step is bound by reading the weights: a step of more than
-    `disable_by_batch_size` running requests speculates for none of them (None: the default, 2), and a
-    request whose guesses keep failing stops guessing (spec_decode/speculator.py)."""
+    `disable_by_batch_size` running requests speculates for none of them, and a request whose guesses
+    keep failing stops guessing for a while (spec_decode/speculator.py). None means 2 (vLLM's None means
+    never): on a 2-core CPU a guess costs about as much as another sequence's token; on a machine with
+    more compute per byte of weights read, measure with `python -m benchmarks.spec_decode
+    --disable-by-batch-size N` and raise it."""
 
     method: SpeculativeMethod
     num_speculative_tokens: int
@@ -171,8 +174,8 @@ class SpeculativeConfig:
             )
 
     @property
-    def max_batch_size(self) -> int:
-        """The most running requests at which a step still speculates."""
+    def speculating_batch_size(self) -> int:
+        """The most running requests at which a step still guesses."""
         return 2 if self.disable_by_batch_size is None else self.disable_by_batch_size
 
     @classmethod

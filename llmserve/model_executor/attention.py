@@ -1,7 +1,8 @@
 """Attention over the paged KV cache for a ragged batch of decodes and prefill chunks.
 
-The flattened batch holds the decode tokens first (one per sequence), then each prefill chunk. Decodes
-are attended in one call: on CPU in fp32 by our C kernel (`kernels/paged_attention.c`), which reads the
+The flattened batch holds the decode rows first (one per sequence, or with speculative guesses one per
+token of its sequence, each with its own length), then each prefill chunk. Decodes are attended in one
+call: on CPU in fp32 by our C kernel (`kernels/paged_attention.c`), which reads the
 blocks in place, else by PyTorch over gathered blocks. Prefill chunks go one sequence at a time through
 `scaled_dot_product_attention` (there are few, and each is a large matrix product already).
 
@@ -115,7 +116,7 @@ def _decode_attention(
     scale: float,
     window: int | None,
 ) -> torch.Tensor:
-    """q [batch, heads, head_dim] → [batch, heads, head_dim], one query per sequence: each row reads
+    """q [batch, heads, head_dim] → [batch, heads, head_dim], one query per row: each row reads
     `count` blocks of its table from its `first`, masking the keys outside its window or past its length."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_cache.shape

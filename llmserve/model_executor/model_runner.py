@@ -21,7 +21,7 @@ from llmserve.model_executor.models.causal_lm import KVCache
 from llmserve.model_executor.models.decoder_config import DecoderConfig
 from llmserve.model_executor.models.registry import model_class
 from llmserve.model_executor.pooler import Pooler, PoolerConfig, PoolingSpan, vector_bytes
-from llmserve.model_executor.sampler import SamplingMetadata, gather_logprobs, sample
+from llmserve.model_executor.sampler import SamplingMetadata, gather_logprobs, sample, skip_draws
 from llmserve.scheduling.request import Request
 from llmserve.scheduling.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from llmserve.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
@@ -132,32 +132,37 @@ class ModelRunner:
         grammar_bitmask: GrammarBitmask | None,
     ) -> None:
         """Sample every row of `hidden`: one per request, or with guesses one per guess and one after
-        them, all from the request's state before the guesses (the scheduler guesses only for requests
-        whose processing allows it). Tokens come from the processed logits; logprobs from the raw ones,
-        after the grammar bitmask (as vLLM's: a token the grammar forbids has logprob -inf)."""
+        them, each as without guesses, from the request's state before them (the scheduler guesses only
+        for requests whose processing allows it). A request keeps its guesses up to the first that
+        differs from its row's sample, and that sample (or the one after the last guess): for a guess
+        made with certainty this is vLLM's rejection rule, and every kept token is the one the request
+        would have sampled in a step of its own, with the same draws of a seeded generator. Tokens come
+        from the processed logits; logprobs from the raw ones, after the grammar bitmask (as vLLM's: a
+        token the grammar forbids has logprob -inf)."""
         logits = self.model.compute_logits(hidden)  # [rows, vocab] fp32
         counts = [1 + len(s.spec_token_ids) for s in sampling]
+        first = list(itertools.accumulate(counts, initial=0))
         row_requests = [s.request for s, n in zip(sampling, counts) for _ in range(n)]
         if grammar_bitmask is not None:
             apply_grammar_bitmask(logits, [r.request_id for r in row_requests], grammar_bitmask)
         processing = build_logits_metadata(row_requests, logits.shape[-1], self.device)
         processed = logits if processing is None else apply_logits_processors(logits, processing)
-        drafts = None
-        if any(n > 1 for n in counts):
-            guesses = [t for s in sampling for t in (*s.spec_token_ids, -1)]
-            drafts = torch.tensor(guesses, dtype=torch.int64, device=self.device)
-        sampled = sample(processed, self._sampling_metadata(row_requests), drafts)
+        metadata = self._sampling_metadata(row_requests)
+        # seeded requests with guesses: their generator before the step, rewound past the kept rows after
+        rewind = {
+            i: (generator, generator.get_state())
+            for i, s in enumerate(sampling)
+            if s.spec_token_ids and (generator := metadata.generators.get(first[i])) is not None
+        }
+        sampled = sample(processed, metadata)
         row_tokens = sampled.tolist()
-        first = list(itertools.accumulate(counts, initial=0))
-        kept: list[int] = []  # per request: its confirmed guesses and the token after them
-        for sched, start in zip(sampling, first):
-            n = 0
-            for n, guess in enumerate(sched.spec_token_ids, 1):
-                if row_tokens[start + n - 1] != guess:
-                    break
-            else:
-                n += 1
-            kept.append(n)
+        kept = [
+            _num_kept(row_tokens[start : start + n], s.spec_token_ids)
+            for s, start, n in zip(sampling, first, counts)
+        ]
+        for i, (generator, state) in rewind.items():
+            generator.set_state(state)
+            skip_draws(generator, kept[i], processed.shape[-1])
         ids = [s.request.request_id for s in sampling]
         output.sampled_token_ids = {
             request_id: row_tokens[start : start + n] for request_id, start, n in zip(ids, first, kept)
@@ -295,6 +300,15 @@ class ModelRunner:
             generator = torch.Generator(device=self.device).manual_seed(seed)
             self._generators[request_id] = generator
         return generator
+
+
+def _num_kept(row_tokens: list[int], guesses: list[int]) -> int:
+    """How many of a request's sampled rows it keeps: those whose guess its sample confirmed, and the
+    first that did not (or the row after the last guess)."""
+    for n, (token, guess) in enumerate(zip(row_tokens, guesses), 1):
+        if token != guess:
+            return n
+    return len(guesses) + 1
 
 
 def _decodes(sched: ScheduledRequest) -> bool:

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.engine.messages import TokenLogprobs
-from llmserve.model_executor.rejection_sampler import accept_drafts
 
 
 @dataclass
@@ -22,14 +21,10 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]  # row → its request's seeded generator
 
 
-def sample(
-    logits: torch.Tensor, meta: SamplingMetadata, draft_token_ids: torch.Tensor | None = None
-) -> torch.Tensor:
+def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """logits [batch, vocab] fp32, after `apply_logits_processors` → token ids [batch] int64.
 
     Temperature, then min-p, then top-k and top-p; greedy rows take the argmax of the given logits.
-    With `draft_token_ids` ([batch], -1 where a row has none), a random row's guess is kept or replaced
-    as `rejection_sampler.accept_drafts` says; a greedy row's token is its argmax whatever the guess.
     """
     greedy = logits.argmax(dim=-1)
     if meta.all_greedy:
@@ -45,11 +40,7 @@ def sample(
     if meta.top_k is not None or meta.top_p is not None:
         logits = _apply_top_k_top_p(logits, meta.top_k, meta.top_p)
     probs = logits.softmax(dim=-1)
-    if draft_token_ids is None:
-        random = _exponential_race(probs, meta.generators)
-    else:
-        residual, accepted = accept_drafts(probs, draft_token_ids, meta.generators)
-        random = torch.where(accepted, draft_token_ids, _exponential_race(residual, meta.generators))
+    random = _exponential_race(probs, meta.generators)
     return torch.where(meta.temperature > 0, random, greedy)
 
 
@@ -79,13 +70,20 @@ def _apply_top_k_top_p(
 def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """Sample each row as argmax(p / E) with E ~ Exp(1), which draws from p exactly.
 
-    Rows of seeded requests draw E from their own generator, so their samples do not depend on what
-    else is in the batch.
+    Rows of seeded requests draw E from their own generator, one row of draws per row in order (see
+    `skip_draws`), so their samples do not depend on what else is in the batch.
     """
     noise = torch.empty_like(probs).exponential_()
     for row, generator in generators.items():
         noise[row].exponential_(generator=generator)
     return (probs / noise).argmax(dim=-1)
+
+
+def skip_draws(generator: torch.Generator, num_rows: int, vocab: int) -> None:
+    """Advance `generator` past `num_rows` rows of `_exponential_race`'s draws, exactly as sampling them
+    does."""
+    for _ in range(num_rows):
+        torch.empty(vocab, dtype=torch.float32, device=generator.device).exponential_(generator=generator)
 
 
 def gather_logprobs(

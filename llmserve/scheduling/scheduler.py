@@ -76,8 +76,9 @@ class Scheduler:
     grammar failed ends with `FinishReason.ERROR`. `clock` is for tests.
 
     With a `speculator`, a running request with one token left to compute may have it checked with
-    guesses of the tokens after it (spec_decode/), when the budget and the KV pool have room for them:
-    guesses never cause a preemption.
+    guesses of the tokens after it (spec_decode/), once every request of the step has its tokens and
+    only where the rest of the budget and free blocks have room: guesses never preempt a request nor
+    keep one waiting.
 
     Without `chunked_prefill` (encoders, whole-prompt pooling) a prompt is admitted only whole, in a
     step with room for all of it; the engine core makes sure the longest fits an empty step. A pooling
@@ -129,19 +130,10 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted = False
 
-        speculating = self.speculator is not None and self.speculator.speculates(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if speculating and num_new == 1:
-                assert self.speculator is not None
-                drafts = self.speculator.propose(request, budget - 1)
-                if drafts and self.kv_cache_manager.allocate_slots(request, 1 + len(drafts)):
-                    scheduled.append(self._scheduled(request, 1 + len(drafts), drafts))
-                    budget -= 1 + len(drafts)
-                    i += 1
-                    continue
             while not self.kv_cache_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -154,6 +146,7 @@ class Scheduler:
                 i += 1
                 continue
             break
+        num_running_scheduled = len(scheduled)
 
         # Admitting new work right after a preemption would only thrash the pool.
         compiling: list[Request] = []  # passed by: their grammars are not ready
@@ -183,6 +176,8 @@ class Scheduler:
             budget -= num_new
         for request in reversed(compiling):
             self.waiting.prepend(request)
+        if self.speculator is not None and self.speculator.speculates(len(self.running)):
+            self._add_guesses(scheduled[:num_running_scheduled], budget)
 
         out = SchedulerOutput(scheduled, self._finished_ids)
         self._finished_ids = []
@@ -219,15 +214,34 @@ class Scheduler:
             request.status = RequestStatus.WAITING
         return ready
 
-    def _scheduled(self, request: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledRequest:
-        drafts = drafts or []
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(
             request,
             num_new,
             self.kv_cache_manager.get_block_ids(request.request_id),
-            samples=request.num_computed_tokens + num_new - len(drafts) == request.num_tokens,
-            spec_token_ids=drafts,
+            samples=request.num_computed_tokens + num_new == request.num_tokens,
         )
+
+    def _add_guesses(self, scheduled: list[ScheduledRequest], budget: int) -> None:
+        """Guesses checked after the last token of the running requests that decode this step, from
+        what the step left: its token budget, the free blocks and the room in the requests' own last
+        blocks, so that they never preempt a request nor keep one waiting."""
+        assert self.speculator is not None
+        for sched in scheduled:
+            if budget <= 0:
+                return
+            request = sched.request
+            if sched.num_new_tokens != 1 or not sched.samples:
+                continue
+            guesses = self.speculator.propose(request, budget)
+            if guesses and not self.kv_cache_manager.allocate_slots(request, 1 + len(guesses)):
+                held = len(sched.block_ids) * self.kv_cache_manager.block_size
+                guesses = guesses[: max(held - request.num_computed_tokens - 1, 0)]  # those its blocks fit
+            if guesses:
+                sched.num_new_tokens += len(guesses)
+                sched.spec_token_ids = guesses
+                sched.block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+                budget -= len(guesses)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

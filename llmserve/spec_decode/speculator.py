@@ -11,6 +11,7 @@ from llmserve.engine.messages import SpecDecodingStats
 from llmserve.model_executor.logits_processors import reads_history
 from llmserve.scheduling.request import Request
 from llmserve.spec_decode.ngram_proposer import NgramProposer
+from llmserve.structured_output.backend import Grammar
 
 # A request whose last _WINDOW drafted steps accepted fewer than _MIN_ACCEPTED tokens per drafted step
 # stops guessing for _PAUSE generated tokens, twice as long each time it stops again: a checked guess
@@ -31,6 +32,9 @@ class _RequestState:
 
 
 class Speculator:
+    """Owned by the scheduler: proposes each step's guesses for a request (`propose`), learns how they
+    fared (`record`), and counts them for /metrics (`stats`, cumulative, as vLLM's counters)."""
+
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
         self.config = config
@@ -41,7 +45,7 @@ class Speculator:
 
     def speculates(self, num_running: int) -> bool:
         """Whether a step of this many running requests guesses at all."""
-        return num_running <= self.config.max_batch_size
+        return num_running <= self.config.speculating_batch_size
 
     def propose(self, request: Request, budget: int) -> list[int]:
         """Guesses for the request's next tokens, to be checked after its last one: at most `budget`, and
@@ -54,11 +58,11 @@ class Speculator:
         state = self._state(request)
         if k < 1 or request.num_output_tokens < state.paused_until:
             return []
-        drafts = self.proposer.propose(state.tokens[: state.length], k)
+        guesses = self.proposer.propose(state.tokens[: state.length], k)
         grammar = request.structured_output.grammar if request.structured_output else None
-        if grammar is not None and drafts:
-            drafts = drafts[: grammar.validate_tokens(drafts)]
-        return drafts
+        if grammar is not None and guesses:
+            guesses = guesses[: _num_grammatical(grammar, guesses)]
+        return guesses
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """A drafted step's outcome: `num_accepted` of its `num_drafts` guesses were right."""
@@ -110,3 +114,17 @@ class Speculator:
             state.tokens[state.length : n] = request.all_token_ids[state.length : n]
             state.length = n
         return state
+
+
+def _num_grammatical(grammar: Grammar, guesses: list[int]) -> int:
+    """How many of the guesses the grammar takes, up to the one that completes it: after that the
+    request stops (only EOS, which ends it, would be allowed), so a later guess would be wasted, and
+    the matcher must not be advanced past its end while the step's bitmask rows are filled."""
+    n = 0
+    for token in guesses[: grammar.validate_tokens(guesses)]:
+        if grammar.is_terminated():
+            break
+        grammar.accept_tokens([token])
+        n += 1
+    grammar.rollback(n)
+    return n

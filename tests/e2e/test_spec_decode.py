@@ -110,7 +110,31 @@ def test_structured_outputs_are_unchanged(llm: LLM, spec_llm: LLM) -> None:
     assert stats(spec_llm).num_accepted_tokens > before
 
 
-def test_prefix_cache_hits_and_seeded_sampling_repeat(spec_llm: LLM) -> None:
+def test_a_guess_past_a_complete_grammar_is_never_made(llm: LLM, spec_llm: LLM) -> None:
+    # The earlier answer is followed by the end-of-turn token: at this length of answer, lookup guesses
+    # `9 }` and then it, past the point where the grammar completes (which only EOS may follow).
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "year": {"type": "integer"}},
+        "required": ["city", "year"],
+        "additionalProperties": False,
+    }
+    messages = [
+        {"role": "user", "content": "Where and when was the treaty signed? Answer in JSON."},
+        {"role": "assistant", "content": '{"city":"Paris","year":919}'},
+        {"role": "user", "content": "Repeat exactly the same JSON answer."},
+    ]
+    prompt = spec_llm.get_tokenizer().apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    params = SamplingParams(
+        max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    want, got = generate(llm, [prompt], params)[0], generate(spec_llm, [prompt], params)[0]
+    assert (got.text, got.finish_reason) == (want.text, "stop")
+
+
+def test_prefix_cache_hits_and_seeded_sampling_is_unchanged(llm: LLM, spec_llm: LLM) -> None:
     prompt = chat_prompts(spec_llm)[0]
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
     first = generate(spec_llm, [prompt], greedy)[0]
@@ -118,9 +142,12 @@ def test_prefix_cache_hits_and_seeded_sampling_repeat(spec_llm: LLM) -> None:
     hits = core.scheduler.make_stats().prefix_cache_hits
     assert generate(spec_llm, [prompt], greedy)[0].token_ids == first.token_ids
     assert core.scheduler.make_stats().prefix_cache_hits > hits
-    seeded = SamplingParams(max_tokens=24, temperature=0.8, seed=11)
-    runs = [generate(spec_llm, [prompt], seeded)[0].token_ids for _ in range(2)]
-    assert runs[0] == runs[1]
+    # a seeded request samples each kept token from the same draws as without guesses: the same output
+    seeded = SamplingParams(max_tokens=40, temperature=0.8, seed=11)
+    before = stats(spec_llm).num_accepted_tokens
+    want = generate(llm, [prompt], seeded)[0].token_ids
+    assert generate(spec_llm, [prompt], seeded)[0].token_ids == want
+    assert stats(spec_llm).num_accepted_tokens > before
 
 
 def test_preemption_while_guessing_changes_no_output(llm: LLM) -> None:

@@ -1,6 +1,7 @@
 /* Decode attention over the paged, head-major KV cache, fp32, for CPUs.
  *
- * One query token per sequence. Each (sequence, KV head) task reads that head's cached keys and values
+ * One query token per row, of its own length (a sequence's guessed tokens are rows of their own, after
+ * their keys were written). Each (row, KV head) task reads that head's cached keys and values
  * once, in place through the block table, for all the query heads that share it (grouped-query
  * attention). The PyTorch path instead gathers the blocks into a padded copy and reads that copy:
  * three passes over the cache where this makes one.
