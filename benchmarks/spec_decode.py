@@ -28,7 +28,9 @@ that (nearly) no prefill is timed: speculation changes decoding only, and a pref
 would pull their ratio towards 1. Targets (issue 20): >= 1.6x on rewrite and quote, >= 0.97x on open
 and on the concurrent workload.
 
-Both engines run in this process (`multiprocess=False`, the same for both), which is where the
+Both engines run in this process (`multiprocess=False`, the same for both), alive together and taking
+turns (single prompts alternate which engine goes first; the concurrent batch runs without, with, with,
+without), so that drift in a shared machine's speed meets both alike. The process is where the
 scheduler's speculator keeps its cumulative counts (vLLM's: drafts, draft tokens, accepted tokens, per
 position); each workload reports their difference across it: the acceptance rate (accepted / draft
 tokens) and the mean acceptance length (vLLM's: 1 + accepted tokens per drafted step, the tokens a
@@ -39,7 +41,6 @@ token ids are identical with and without it, prints the outcome, and exits with 
 from __future__ import annotations
 
 import argparse
-import gc
 import re
 import time
 from collections import Counter
@@ -175,14 +176,16 @@ class Acceptance:
     num_accepted_tokens_per_pos: list[int]
 
     @classmethod
-    def between(cls, before: SpecDecodingStats, after: SpecDecodingStats) -> Acceptance:
+    def between(cls, before: SpecDecodingStats, after: SpecDecodingStats, runs: int = 1) -> Acceptance:
+        """The counts from `before` to `after`, per run of the workload."""
         per_pos = [
-            b - a for a, b in zip(before.num_accepted_tokens_per_pos, after.num_accepted_tokens_per_pos)
+            (b - a) // runs
+            for a, b in zip(before.num_accepted_tokens_per_pos, after.num_accepted_tokens_per_pos)
         ]
         return cls(
-            after.num_drafts - before.num_drafts,
-            after.num_draft_tokens - before.num_draft_tokens,
-            after.num_accepted_tokens - before.num_accepted_tokens,
+            (after.num_drafts - before.num_drafts) // runs,
+            (after.num_draft_tokens - before.num_draft_tokens) // runs,
+            (after.num_accepted_tokens - before.num_accepted_tokens) // runs,
             per_pos,
         )
 
@@ -224,22 +227,46 @@ def decode_timing(output: RequestOutput) -> tuple[int, float]:
     return len(output.outputs[0].token_ids) - 1, m.last_token_time - m.first_token_time
 
 
-def run_workload(llm: LLM, work: Workload, params: SamplingParams) -> Run:
-    before = speculator_stats(llm)
+def run_workload(engines: dict[bool, LLM], work: Workload, params: SamplingParams) -> dict[bool, Run]:
+    """Both engines over the workload, taking turns so that drift in the machine's speed meets both
+    alike: single prompts alternate which engine goes first; the concurrent batch runs without, with,
+    with, without, and each engine's figure is its two runs together."""
+    before = speculator_stats(engines[True])
+    outputs: dict[bool, list[RequestOutput]] = {False: [], True: []}
+    tokens, seconds = {False: 0, True: 0}, {False: 0.0, True: 0.0}
     if work.concurrent:
-        llm.chat(work.conversations, SamplingParams(max_tokens=1), use_tqdm=False)  # fills the prefix cache
-        start = time.perf_counter()
-        outputs = llm.chat(work.conversations, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        for speculative in (False, True, True, False):
+            llm = engines[speculative]
+            llm.chat(
+                work.conversations, SamplingParams(max_tokens=1), use_tqdm=False
+            )  # fills the prefix cache
+            start = time.perf_counter()
+            batch = llm.chat(work.conversations, params, use_tqdm=False)
+            seconds[speculative] += time.perf_counter() - start
+            tokens[speculative] += sum(len(o.outputs[0].token_ids) for o in batch)
+            outputs[speculative] = batch
     else:
-        outputs = [llm.chat(c, params, use_tqdm=False)[0] for c in work.conversations]
-        timings = [decode_timing(o) for o in outputs]
-        tokens, seconds = sum(t for t, _ in timings), sum(s for _, s in timings)
-    after = speculator_stats(llm)
-    acceptance = None if before is None or after is None else Acceptance.between(before, after)
-    generated = [list(o.outputs[0].token_ids) for o in outputs]
-    return Run([o.prompt_token_ids for o in outputs], generated, tokens, seconds, acceptance)
+        for i, conversation in enumerate(work.conversations):
+            for speculative in (False, True) if i % 2 == 0 else (True, False):
+                output = engines[speculative].chat(conversation, params, use_tqdm=False)[0]
+                n, s = decode_timing(output)
+                tokens[speculative] += n
+                seconds[speculative] += s
+                outputs[speculative].append(output)
+    after = speculator_stats(engines[True])
+    assert before is not None and after is not None
+    # in the concurrent workload the speculating engine ran twice: its counts are per run
+    acceptance = Acceptance.between(before, after, runs=2 if work.concurrent else 1)
+    return {
+        speculative: Run(
+            [o.prompt_token_ids for o in outputs[speculative]],
+            [list(o.outputs[0].token_ids) for o in outputs[speculative]],
+            tokens[speculative],
+            seconds[speculative],
+            acceptance if speculative else None,
+        )
+        for speculative in (False, True)
+    }
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
@@ -256,26 +283,36 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
     return config
 
 
-def run_engine(args: argparse.Namespace, works: list[Workload], speculative: bool) -> list[Run]:
+def make_engine(args: argparse.Namespace, speculative: bool) -> LLM:
     spec = {k: v for k, v in asdict(speculative_config(args)).items() if v is not None}
     llm = LLM(
         model=args.model,
         num_threads=args.num_threads,
         max_num_seqs=max(args.num_streams, 1),
+        kv_cache_memory=args.kv_cache_memory,
         multiprocess=False,
         speculative_config=spec if speculative else None,
     )
     # the first steps of a long prompt and, with speculation, of several rows per sequence
     llm.chat(rewrite_prompt(0, args.file_chars), SamplingParams(max_tokens=16), use_tqdm=False)
+    return llm
+
+
+def run_engines(args: argparse.Namespace, works: list[Workload]) -> list[dict[bool, Run]]:
+    """Both engines, alive together, over every workload."""
+    engines = {speculative: make_engine(args, speculative) for speculative in (False, True)}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     runs = []
-    for work in works:
-        runs.append(run_workload(llm, work, params))
-        mode = "with" if speculative else "without"
-        print(f"{mode} speculation, {work.name}: {runs[-1].tok_per_s:.1f} output tok/s", flush=True)
-    llm.shutdown()
-    del llm
-    gc.collect()  # the next engine's weights and KV pool must not meet this one's
+    try:
+        for work in works:
+            runs.append(run_workload(engines, work, params))
+            without, with_ = runs[-1][False].tok_per_s, runs[-1][True].tok_per_s
+            print(
+                f"{work.name}: {without:.1f} output tok/s without speculation, {with_:.1f} with", flush=True
+            )
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
     return runs
 
 
@@ -388,6 +425,9 @@ def parse_args() -> argparse.Namespace:
         "--num-prompts", type=int, default=None, help="per single-stream workload (4; --quick 2)"
     )
     parser.add_argument("--num-streams", type=int, default=None, help="requests at once (64; --quick 12)")
+    parser.add_argument(
+        "--kv-cache-memory", type=int, default=3 << 30, help="bytes, each engine's (both are alive at once)"
+    )
     parser.add_argument("--file-chars", type=int, default=2000, help="of each source file to rewrite")
     parser.add_argument("--passage-chars", type=int, default=1000, help="of each passage to quote from")
     parser.add_argument("--quick", action="store_true", help="a smoke test: few prompts, short outputs")
@@ -405,9 +445,7 @@ def main() -> None:
     args = parse_args()
     load = warn_if_busy()
     works = workloads(args)
-    without = run_engine(args, works, speculative=False)
-    with_ = run_engine(args, works, speculative=True)
-    rows = [compare(*runs) for runs in zip(works, without, with_)]
+    rows = [compare(work, runs[False], runs[True]) for work, runs in zip(works, run_engines(args, works))]
     print("\n" + markdown(args, describe(load), rows))
     differ = [f"{r['name']} #{i}" for r in rows for i in r["differing"]]
     total = sum(r["prompts"] for r in rows)
