@@ -414,7 +414,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
-    parser.add_argument("--prompt-lookup-min", type=int, default=2)
+    parser.add_argument("--prompt-lookup-min", type=int, default=3)
     parser.add_argument("--prompt-lookup-max", type=int, default=5)
     parser.add_argument(
         "--disable-by-batch-size", type=int, default=None, help="speculative_config's (default: the engine's)"
