@@ -74,13 +74,7 @@ def _penalized(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
 
 def _needs_processing(request: Request) -> bool:
     params = request.sampling_params
-    return (
-        params.allowed_token_ids is not None
-        or bool(request.bad_words_token_ids)
-        or request.num_output_tokens < params.min_tokens
-        or bool(params.logit_bias)
-        or _uses_penalties(params)
-    )
+    return params.allowed_token_ids is not None or bool(params.logit_bias) or reads_history(request)
 
 
 def reads_history(request: Request) -> bool:

@@ -73,7 +73,9 @@ class StructuredOutputManager:
         """The bitmask for this step's sampling requests that have a grammar; None when there are none
         (before the first structured request this costs one attribute check). A request with guesses
         gets a row per guess and one after them: its grammar advances over the guesses as it fills
-        them, then rolls back (the scheduler proposes only guesses the grammar takes, none past its end)."""
+        them, then rolls back. `Speculator.propose` checked that the grammar takes every guess and that none
+        follows the one that completes it (a matcher stepped past its end, or over a token it refuses,
+        would stay in its error state after the rollback)."""
         if self.backend is None:
             return None
         ids: list[str] = []
@@ -93,20 +95,14 @@ class StructuredOutputManager:
             self._bitmask = self.backend.allocate_bitmask(max(total, self.max_num_seqs))
         starts = list(itertools.accumulate(num_rows, initial=0))
         self.backend.fill_bitmask(grammars, self._bitmask, starts[:-1])
-        advanced = [0] * len(grammars)  # guesses each matcher took, to roll back
         for j in range(1, max(num_rows)):  # row j of each request with j guesses or more
             ahead = [i for i, g in enumerate(guesses) if len(g) >= j]
             for i in ahead:
-                # A guess its grammar refuses (the scheduler proposes none) is masked out in its own
-                # row, so it and the rows after it are never kept: those rows may keep the state before it.
-                grammar, guess = grammars[i], guesses[i][j - 1]
-                if advanced[i] == j - 1 and not grammar.is_terminated() and grammar.validate_tokens([guess]):
-                    grammar.accept_tokens([guess])
-                    advanced[i] = j
+                grammars[i].accept_tokens([guesses[i][j - 1]])
             self.backend.fill_bitmask(
                 [grammars[i] for i in ahead], self._bitmask, [starts[i] + j for i in ahead]
             )
-        for grammar, n in zip(grammars, advanced):
-            if n:
-                grammar.rollback(n)
+        for grammar, g in zip(grammars, guesses):
+            if g:
+                grammar.rollback(len(g))
         return GrammarBitmask(ids, num_rows, self._bitmask[:total])
