@@ -101,21 +101,41 @@ def test_int8_gemm_times_real_blocks(isa: str, model: str, name: str, qtype: Q, 
 
 @pytest.mark.parametrize("rows", [2, 40])
 def test_each_part_of_a_fused_weight_is_read_and_the_bias_added(rows: int) -> None:
-    """Parts of three types: int8_gemm.c's first panel of 32 outputs is all Q5_0 (a scale per 32), its
-    second mixes Q5_0, Q6_K and Q8_0 rows (a scale per 16)."""
+    """Parts of three types: int8_gemm.c's first panel of 32 outputs is all Q5_0 (a scale per 32, no
+    offsets), its second mixes Q5_0, Q6_K and Q4_K rows (a scale per 16, and Q4_K's minimum as an offset
+    per 32), its third is one Q4_K row (a scale and an offset per 32)."""
     parts = [
         random_stored_tensor(qtype, n, 512, seed=i)
-        for i, (qtype, n) in enumerate([(Q.Q5_0, 40), (Q.Q6_K, 9), (Q.Q8_0, 9)])
+        for i, (qtype, n) in enumerate([(Q.Q5_0, 40), (Q.Q6_K, 9), (Q.Q4_K, 16)])
     ]
-    bias = torch.randn(58)
+    bias = torch.randn(65)
     weight, values = stored_weight(parts, bias)
     x = torch.randn(rows, 512)
     expected = round_activations(x) @ values.T + bias
     if rows <= native.BLOCK_GEMV_MAX_ROWS:
-        torch.testing.assert_close(native.block_gemv(x, weight.native, 58), expected, rtol=1e-5, atol=1e-4)
-    many = native.int8_gemm(x, weight.native, 58)
+        torch.testing.assert_close(native.block_gemv(x, weight.native, 65), expected, rtol=1e-5, atol=1e-4)
+    many = native.int8_gemm(x, weight.native, 65)
     if many is not None:
         torch.testing.assert_close(many, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_products_write_into_a_given_output() -> None:
+    """`out` is filled and returned (the model keeps one for a step's logits); a wrong one is refused."""
+    weight, values = stored_weight([random_stored_tensor(Q.Q8_0, 40, 256)])
+    for rows, product in [
+        (3, native.block_gemv),
+        (20, native.int8_gemm),
+        (20, native.weight_gemm),
+    ]:
+        x = torch.randn(rows, 256)
+        out = torch.full((rows, 40), float("nan"))
+        y = product(x, weight.native, 40, out)
+        if y is None:  # int8_gemm on a CPU without VNNI
+            continue
+        assert y is out
+        torch.testing.assert_close(y, product(x, weight.native, 40))
+        with pytest.raises(ValueError, match="shape"):
+            product(x, weight.native, 40, torch.empty(rows + 1, 40))
 
 
 def test_round_activations_keeps_int8_steps_per_block() -> None:

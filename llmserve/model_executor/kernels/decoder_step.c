@@ -64,10 +64,10 @@ typedef struct {
     float *out;       /* [rows, hidden]: a projection's output before its norm, where the layer has one */
     BlockInput input; /* whichever feeds the next projection, as the blocks read it */
     float *sums;      /* its int8 scales, then scale * sum(q) per block */
-    int8_t *q;        /* its int8 rounding */
+    int8_t *q;        /* its int8 rounding (for int8_gemm.c, q + 128) */
     float *rounded;   /* the same rounding in fp32, for weight_gemm.c */
-    Int8Rows gemm_in; /* or for int8_gemm.c, over q, sums (per 16) and these */
-    float *gemm_scales, *gemm_sums32;
+    Int8Rows gemm_in; /* or for int8_gemm.c, over q, sums and this */
+    float *gemm_scales;
     uint8_t *scratch; /* [threads, int8_scratch_bytes(widest)] */
     int64_t scratch_bytes;
     float *scores;    /* [threads, group, max_len] */
@@ -79,10 +79,10 @@ static void feed(const DecoderSpec *s, Step *t, const float *x, int64_t in)
     if (t->int8_gemm) {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < t->rows; r++)
-            int8_rows(x + r * in, 1, in, t->q + r * in, t->gemm_scales + r * (in / QK), t->sums + r * (in / 16),
-                      t->gemm_sums32 + r * (in / QK));
+            int8_rows(x + r * in, 1, in, (uint8_t *)t->q + r * in, t->gemm_scales + r * (in / QK),
+                      t->sums + r * (in / QK));
 #pragma omp single
-        t->gemm_in = (Int8Rows){t->q, t->gemm_scales, t->sums, t->gemm_sums32, t->rows, in};
+        t->gemm_in = (Int8Rows){(const uint8_t *)t->q, t->gemm_scales, t->sums, t->rows, in};
         return;
     }
     if (!t->read_blocks && s->int8_activations) {
@@ -302,11 +302,10 @@ int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const
         const int64_t padded = (rows + INT8_GEMM_ROWS - 1) / INT8_GEMM_ROWS * INT8_GEMM_ROWS;
         t.q = calloc((size_t)(padded * widest), 1);
         t.gemm_scales = calloc((size_t)(padded * widest / QK), sizeof(float));
-        t.sums = calloc((size_t)(padded * widest / 16), sizeof(float));
-        t.gemm_sums32 = calloc((size_t)(padded * widest / QK), sizeof(float));
+        t.sums = calloc((size_t)(padded * widest / QK), sizeof(float));
         t.scratch_bytes = int8_scratch_bytes(widest);
         t.scratch = aligned_alloc(64, (size_t)(num_threads * t.scratch_bytes));
-        ready = ready && t.q && t.gemm_scales && t.sums && t.gemm_sums32 && t.scratch;
+        ready = ready && t.q && t.gemm_scales && t.sums && t.scratch;
     } else if (!read_blocks && s->int8_activations) {
         t.rounded = malloc(sizeof(float) * rows * widest);
         ready = ready && t.rounded;
@@ -326,7 +325,6 @@ int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const
     free(t.gate_up);
     free(t.rounded);
     free(t.gemm_scales);
-    free(t.gemm_sums32);
     free(t.scratch);
     return ready ? 0 : -2;
 }

@@ -1,14 +1,19 @@
 /* y = x @ W.T (+ bias) for many rows of x (a prefill, a large batch) rounded to int8 per block of 32, as
  * block_q8.c rounds them, against a weight's GGUF blocks, on CPUs with AVX-512 VNNI.
  *
- * Each thread unpacks a panel of NP output rows once into unsigned bytes, four consecutive weights of
- * one output per 32-bit lane (pack_panel: each row's values in a row of `rows`, then 16 rows' chunks at
- * a time transposed in registers), with a scale and an offset per 32 weights (per 16 in panels with a
- * Q6_K row); then every MR rows of x meet the panel in VNNI multiply-adds: one instruction takes
- * 4 weights x 16 outputs against 4 broadcast int8 activations, 64 products where an fp32 multiply-add
- * takes 16. The int32 sums of each 32 (16) weights are scaled into fp32 accumulators, and the offsets
- * (a type's centre or minimum) meet x's sums over the same weights. Elsewhere int8_gemm_available() is
- * 0 and the callers round x (round_rows) for weight_gemm.c: the same values, summed in another order.
+ * Each thread unpacks a panel of NP output rows once into signed bytes, four consecutive weights of one
+ * output per 32-bit lane (pack_panel: each row's values in a row of `rows`, then 16 rows' chunks at a
+ * time transposed in registers), with a scale per 32 weights (per 16 in panels with a Q6_K row) and, for
+ * the types with a minimum, an offset per 32; a type's centre (Q4_0's 8, Q5_0's 16) is taken out of the
+ * bytes. Then every MR rows of x meet the panel in VNNI multiply-adds: one instruction takes 4 weights x
+ * 16 outputs against 4 broadcast activations, 64 products where an fp32 multiply-add takes 16. VNNI
+ * multiplies unsigned bytes by signed ones, so x goes in as q + 128 (Int8Rows.codes) and each sum starts
+ * from -128 times its weights' sum (`corrections`), which leaves the exact integer q . w. The int32 sums
+ * are scaled into fp32 accumulators per 32 weights, where x's scale changes; the offsets meet x's sums.
+ * On this kernel's CPUs a multiply-add of floats takes the same unit as a VNNI instruction (Zen 4: one
+ * 512-bit either per cycle), so the scaling is kept to a multiply and a multiply-add per 32 weights.
+ * Elsewhere int8_gemm_available() is 0 and the callers round x (round_rows) for weight_gemm.c: the same
+ * values, summed in another order.
  */
 #pragma GCC optimize("fp-contract=off") /* dequant.h's scales; the products' FMAs are explicit */
 
@@ -23,40 +28,56 @@
 #define MR INT8_GEMM_ROWS /* rows of x per pass over the panel */
 
 typedef struct {
-    uint8_t *values;         /* [in / 4][NP][4]: weights as unsigned bytes (the type's centre added) */
-    float *scales, *offsets; /* [in / unit][NP] */
-    uint8_t *rows;           /* [NP][in]: the same bytes row by row, before the transpose */
-    int unit;                /* weights per scale: 32, or 16 where a row is Q6_K */
+    int8_t *values;      /* [in / 4][NP][4]: weights as signed bytes, centred */
+    float *scales;       /* [in / unit][NP] */
+    float *offsets;      /* [in / 32][NP]: the minimum of Q4_1, Q5_1, Q4_K and Q5_K rows, 0 for others */
+    int32_t *corrections; /* [in / unit][NP]: -128 times the sum of the unit's values */
+    int8_t *rows;        /* [NP][in]: the same bytes row by row, before the transpose */
+    int unit;            /* weights per scale: 32, or 16 where a row is Q6_K */
+    int has_offsets;     /* some row has a minimum */
 } Panel;
+
+/* The sums of v's two halves of 16 signed bytes. */
+INLINE void half_sums(__m256i v, int32_t sums[2])
+{
+    const __m256i wide = _mm256_sad_epu8(_mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)), _mm256_setzero_si256());
+    sums[0] = (int32_t)(_mm256_extract_epi64(wide, 0) + _mm256_extract_epi64(wide, 1)) - 128 * 16;
+    sums[1] = (int32_t)(_mm256_extract_epi64(wide, 2) + _mm256_extract_epi64(wide, 3)) - 128 * 16;
+}
 
 /* Row j of the panel from a weight row of `qtype` (a constant after inlining). */
 INLINE void pack_row(int qtype, const uint8_t *row, int64_t chunks, int j, Panel *p)
 {
-    /* Q8_0's int8 and Q6_K's q - 32 made unsigned: + 128, + 32, taken back in the offset */
-    const float centre = qtype == Q8_0 ? -128.0f : qtype == Q6_K ? -32.0f : 0.0f;
+    const int centre = qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : 0; /* Q8_0 and Q6_K come signed */
+    const int with_min = qtype == Q4_1 || qtype == Q5_1 || qtype == Q4_K || qtype == Q5_K;
     KScales k;
     for (int64_t s = 0; s < chunks; s++) {
         if (is_k_type(qtype) && s % 8 == 0)
             k_scales(qtype, row + block_bytes(qtype) * (s / 8), &k);
         const Chunk c = chunk_scales(qtype, row, s, &k);
         __m256i v = chunk_values(qtype, row, s);
-        if (qtype == Q8_0)
-            v = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
-        else if (qtype == Q6_K)
-            v = _mm256_add_epi8(v, _mm256_set1_epi8(32));
+        if (centre)
+            v = _mm256_sub_epi8(v, _mm256_set1_epi8((char)centre));
         _mm256_storeu_si256((__m256i *)(p->rows + j * (chunks * QK) + s * QK), v);
-        const int per_chunk = QK / p->unit;
-        for (int h = 0; h < per_chunk; h++) {
-            p->scales[(per_chunk * s + h) * NP + j] = c.scale[h];
-            p->offsets[(per_chunk * s + h) * NP + j] = centre != 0.0f ? centre * c.scale[h] : c.offset;
+        int32_t sums[2];
+        half_sums(v, sums);
+        if (p->unit == 16) {
+            for (int h = 0; h < 2; h++) {
+                p->scales[(2 * s + h) * NP + j] = c.scale[h];
+                p->corrections[(2 * s + h) * NP + j] = -128 * sums[h];
+            }
+        } else {
+            p->scales[s * NP + j] = c.scale[0];
+            p->corrections[s * NP + j] = -128 * (sums[0] + sums[1]);
         }
+        p->offsets[s * NP + j] = with_min ? c.offset : 0.0f;
     }
 }
 
 /* Chunk s of rows[0..15] (stride `in` bytes) into the panel's values for outputs 16 h .. 16 h + 15: dword g
  * of row j goes to lane j of vector g. Rows k and k + 8 share a register; an 8 x 8 dword transpose runs
  * in each 256-bit half of the eight registers at once. */
-INLINE void transpose_chunk(const uint8_t *rows, int64_t in, int64_t s, int h, uint8_t *values)
+INLINE void transpose_chunk(const int8_t *rows, int64_t in, int64_t s, int h, int8_t *values)
 {
     __m512i z[8], t[8], u[8];
     for (int k = 0; k < 8; k++) {
@@ -77,7 +98,7 @@ INLINE void transpose_chunk(const uint8_t *rows, int64_t in, int64_t s, int h, u
     /* u[2 d] holds rows 0-3 (and 8-11) of dwords d and d + 4, u[2 d + 1] rows 4-7 (12-15) */
     const __m512i first = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
     const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
-    uint8_t *dst = values + (s * 8 * NP + 16 * h) * 4;
+    int8_t *dst = values + (s * 8 * NP + 16 * h) * 4;
     for (int d = 0; d < 4; d++) {
         _mm512_storeu_si512((void *)(dst + d * NP * 4), _mm512_permutex2var_epi64(u[2 * d], first, u[2 * d + 1]));
         _mm512_storeu_si512((void *)(dst + (d + 4) * NP * 4),
@@ -93,16 +114,21 @@ static void pack_panel(const Weight *w, int64_t in, int64_t o0, int64_t out, Pan
 {
     const int64_t chunks = in / QK;
     p->unit = QK;
+    p->has_offsets = 0;
     for (int j = 0; j < NP && o0 + j < out; j++) {
         int qtype;
         block_row(w, o0 + j, in, &qtype);
-        if (qtype == Q6_K)
-            p->unit = 16;
+        p->unit = qtype == Q6_K ? 16 : p->unit;
+        p->has_offsets |= qtype == Q4_1 || qtype == Q5_1 || qtype == Q4_K || qtype == Q5_K;
     }
     for (int j = 0; j < NP; j++) {
         if (o0 + j >= out) {
-            for (int64_t u = 0; u < in / p->unit; u++)
-                p->scales[u * NP + j] = p->offsets[u * NP + j] = 0.0f;
+            for (int64_t u = 0; u < in / p->unit; u++) {
+                p->scales[u * NP + j] = 0.0f;
+                p->corrections[u * NP + j] = 0;
+            }
+            for (int64_t s = 0; s < chunks; s++)
+                p->offsets[s * NP + j] = 0.0f;
             continue;
         }
         int qtype;
@@ -113,47 +139,63 @@ static void pack_panel(const Weight *w, int64_t in, int64_t o0, int64_t out, Pan
         }
     }
     for (int h = 0; h < NP / 16; h++)
-        for (int64_t s = 0; s < in / QK; s++)
+        for (int64_t s = 0; s < chunks; s++)
             transpose_chunk(p->rows + 16 * h * in, in, s, h, p->values);
 }
 
-/* y[r, j] (+)= x[r] . W[o0 + j] (+ bias) for MR rows of x (q, with their scales per 32 and sums per
- * U) and the panel's NP outputs, U = the panel's unit (a constant after inlining); only `rows` x `cols`
- * of them are stored, added to y with `accumulate`. */
-__attribute__((target("avx512vnni"))) INLINE void panel_product(const Panel *p, int U, const int8_t *q,
-                                                                const float *x_scales, const float *x_sums,
-                                                                int64_t in, float *y, int64_t y_stride,
-                                                                int64_t rows, int64_t cols, const float *bias,
-                                                                int accumulate)
+/* dot[r][h] = the panel's correction for unit u, then + x[r]'s codes . the unit's weights (U of them),
+ * for MR rows of x and the panel's NP outputs. */
+__attribute__((target("avx512vnni"))) INLINE void unit_sums(const Panel *p, int U, int64_t u, const uint8_t *codes,
+                                                            int64_t in, __m512i dot[MR][2])
+{
+    const __m512i c0 = _mm512_loadu_si512((const void *)(p->corrections + u * NP));
+    const __m512i c1 = _mm512_loadu_si512((const void *)(p->corrections + u * NP + 16));
+    for (int r = 0; r < MR; r++) {
+        dot[r][0] = c0;
+        dot[r][1] = c1;
+    }
+    for (int g = 0; g < U / 4; g++) {
+        const int8_t *values = p->values + (u * (U / 4) + g) * NP * 4;
+        const __m512i w0 = _mm512_loadu_si512((const void *)values);
+        const __m512i w1 = _mm512_loadu_si512((const void *)(values + 64));
+        for (int r = 0; r < MR; r++) {
+            int32_t four;
+            memcpy(&four, codes + r * in + u * U + g * 4, 4);
+            const __m512i x = _mm512_set1_epi32(four);
+            dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], x, w0);
+            dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], x, w1);
+        }
+    }
+}
+
+/* y[r, j] (+)= x[r] . W[o0 + j] (+ bias) for MR rows of x (their codes, scales and sums per 32) and the
+ * panel's NP outputs; U = the panel's unit and OFFSETS = whether it has offsets (constants after
+ * inlining). Only `rows` x `cols` of them are stored, added to y with `accumulate`. */
+__attribute__((target("avx512vnni"))) INLINE void panel_product(const Panel *p, int U, int OFFSETS,
+                                                                const uint8_t *codes, const float *x_scales,
+                                                                const float *x_sums, int64_t in, float *y,
+                                                                int64_t y_stride, int64_t rows, int64_t cols,
+                                                                const float *bias, int accumulate)
 {
     __m512 acc[MR][2];
     for (int r = 0; r < MR; r++)
         acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t u = 0; u < in / U; u++) {
         __m512i dot[MR][2];
-        for (int r = 0; r < MR; r++)
-            dot[r][0] = dot[r][1] = _mm512_setzero_si512();
-        for (int g = 0; g < U / 4; g++) {
-            const uint8_t *values = p->values + (u * (U / 4) + g) * NP * 4;
-            const __m512i w0 = _mm512_loadu_si512((const void *)values);
-            const __m512i w1 = _mm512_loadu_si512((const void *)(values + 64));
-            for (int r = 0; r < MR; r++) {
-                int32_t four;
-                memcpy(&four, q + r * in + u * U + g * 4, 4);
-                const __m512i x = _mm512_set1_epi32(four);
-                dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], w0, x);
-                dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], w1, x);
-            }
-        }
-        const __m512 scales[2] = {_mm512_loadu_ps(p->scales + u * NP), _mm512_loadu_ps(p->scales + u * NP + 16)};
-        const __m512 offsets[2] = {_mm512_loadu_ps(p->offsets + u * NP), _mm512_loadu_ps(p->offsets + u * NP + 16)};
+        unit_sums(p, U, u, codes, in, dot);
+        const __m512 s0 = _mm512_loadu_ps(p->scales + u * NP), s1 = _mm512_loadu_ps(p->scales + u * NP + 16);
+        const int64_t b = u * U / QK; /* x's block */
         for (int r = 0; r < MR; r++) {
-            const __m512 x_scale = _mm512_set1_ps(x_scales[r * (in / QK) + u * U / QK]);
-            const __m512 x_sum = _mm512_set1_ps(x_sums[r * (in / U) + u]);
-            for (int h = 0; h < 2; h++) {
-                const __m512 scale = _mm512_mul_ps(scales[h], x_scale);
-                acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][h]), scale, acc[r][h]);
-                acc[r][h] = _mm512_fmadd_ps(offsets[h], x_sum, acc[r][h]);
+            const __m512 x_scale = _mm512_set1_ps(x_scales[r * (in / QK) + b]);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][0]), _mm512_mul_ps(s0, x_scale), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][1]), _mm512_mul_ps(s1, x_scale), acc[r][1]);
+        }
+        if (OFFSETS && (u + 1) * U % QK == 0) {
+            const __m512 o0 = _mm512_loadu_ps(p->offsets + b * NP), o1 = _mm512_loadu_ps(p->offsets + b * NP + 16);
+            for (int r = 0; r < MR; r++) {
+                const __m512 x_sum = _mm512_set1_ps(x_sums[r * (in / QK) + b]);
+                acc[r][0] = _mm512_fmadd_ps(o0, x_sum, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(o1, x_sum, acc[r][1]);
             }
         }
     }
@@ -183,21 +225,16 @@ int int8_gemm_available(void)
 
 int64_t int8_scratch_bytes(int64_t in)
 {
-    /* a Panel's (NP = 32): values and rows, then scales and offsets */
-    const int64_t bytes = 2 * in * 32 + (int64_t)sizeof(float) * 2 * (in / 16) * 32;
+    /* a Panel's (NP = 32): values and rows, then scales and corrections per 16 and offsets per 32 */
+    const int64_t bytes = 2 * in * 32 + (int64_t)sizeof(float) * 32 * (2 * (in / 16) + in / 32);
     return (bytes + 63) / 64 * 64; /* each thread's on a cache line of its own */
 }
 
-void int8_rows(const float *x, int64_t rows, int64_t in, int8_t *q, float *scales, float *sums16, float *sums32)
+void int8_rows(const float *x, int64_t rows, int64_t in, uint8_t *codes, float *scales, float *sums)
 {
-    quantize_rows(x, rows, in, q, scales, sums32);
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t u = 0; u < in / 16; u++) {
-            int sum = 0;
-            for (int i = 0; i < 16; i++)
-                sum += q[r * in + u * 16 + i];
-            sums16[r * (in / 16) + u] = scales[r * (in / QK) + u / 2] * (float)sum;
-        }
+    quantize_rows(x, rows, in, (int8_t *)codes, scales, sums);
+    for (int64_t i = 0; i < rows * in; i++)
+        codes[i] ^= 0x80; /* q + 128 */
 }
 
 #ifdef VNNI_BUILD
@@ -206,23 +243,32 @@ __attribute__((target("avx512vnni"))) /* called where int8_gemm_available() */
 void int8_gemm_share(const Int8Rows *x, const Weight *w, int64_t out, float *y, int accumulate, uint8_t *scratch)
 {
 #ifdef VNNI_BUILD
-    const int64_t in = x->in, units = in / 16;
-    float *scales = (float *)(scratch + in * NP);
-    Panel p = {scratch, scales, scales + units * NP, (uint8_t *)(scales + 2 * units * NP), QK};
+    const int64_t in = x->in, most_units = in / 16;
+    float *scales = (float *)(scratch + 2 * in * NP);
+    int32_t *corrections = (int32_t *)(scales + most_units * NP);
+    float *offsets = (float *)(corrections + most_units * NP);
+    Panel p = {(int8_t *)scratch, scales, offsets, corrections, (int8_t *)scratch + in * NP, QK, 0};
 #pragma omp for schedule(dynamic, 1)
     for (int64_t o0 = 0; o0 < out; o0 += NP) {
         pack_panel(w, in, o0, out, &p);
         const int64_t cols = out - o0 < NP ? out - o0 : NP;
         for (int64_t r0 = 0; r0 < x->rows; r0 += MR) {
-            const int8_t *q = x->q + r0 * in;
-            const float *scales = x->scales + r0 * (in / QK), *bias = w->bias ? w->bias + o0 : NULL;
+            const uint8_t *codes = x->codes + r0 * in;
+            const float *x_scales = x->scales + r0 * (in / QK), *x_sums = x->sums + r0 * (in / QK);
+            const float *bias = w->bias ? w->bias + o0 : NULL;
+            float *dst = y + r0 * out + o0;
             const int64_t rows = x->rows - r0 < MR ? x->rows - r0 : MR;
-            if (p.unit == 16)
-                panel_product(&p, 16, q, scales, x->sums16 + r0 * units, in, y + r0 * out + o0, out, rows, cols, bias,
-                              accumulate);
+#define PRODUCT(U, OFFSETS) \
+    panel_product(&p, U, OFFSETS, codes, x_scales, x_sums, in, dst, out, rows, cols, bias, accumulate)
+            if (p.unit == 16 && p.has_offsets)
+                PRODUCT(16, 1);
+            else if (p.unit == 16)
+                PRODUCT(16, 0);
+            else if (p.has_offsets)
+                PRODUCT(QK, 1);
             else
-                panel_product(&p, QK, q, scales, x->sums32 + r0 * (in / QK), in, y + r0 * out + o0, out, rows, cols,
-                              bias, accumulate);
+                PRODUCT(QK, 0);
+#undef PRODUCT
         }
     }
 #else
@@ -237,19 +283,18 @@ int int8_gemm(const float *x, int64_t rows, int64_t in, const Weight *w, int64_t
     if (!int8_gemm_available() || rows < 1 || in % QK != 0 || !reads_blocks(w, in))
         return -1;
     const int64_t padded = (rows + INT8_GEMM_ROWS - 1) / INT8_GEMM_ROWS * INT8_GEMM_ROWS;
-    int8_t *q = calloc((size_t)(padded * in), 1);
+    uint8_t *codes = calloc((size_t)(padded * in), 1);
     float *scales = calloc((size_t)(padded * in / QK), sizeof(float));
-    float *sums = calloc((size_t)(padded * in / 16 + padded * in / QK), sizeof(float)); /* per 16, per 32 */
+    float *sums = calloc((size_t)(padded * in / QK), sizeof(float));
     uint8_t *scratch = aligned_alloc(64, (size_t)(num_threads * int8_scratch_bytes(in)));
-    const int status = q && scales && sums && scratch ? 0 : -2;
+    const int status = codes && scales && sums && scratch ? 0 : -2;
     if (status == 0) {
-        float *sums32 = sums + padded * in / 16;
-        int8_rows(x, rows, in, q, scales, sums, sums32);
-        const Int8Rows rounded = {q, scales, sums, sums32, rows, in};
+        int8_rows(x, rows, in, codes, scales, sums);
+        const Int8Rows rounded = {codes, scales, sums, rows, in};
 #pragma omp parallel num_threads(num_threads)
         int8_gemm_share(&rounded, w, out, y, 0, scratch + omp_get_thread_num() * int8_scratch_bytes(in));
     }
-    free(q);
+    free(codes);
     free(scales);
     free(sums);
     free(scratch);

@@ -132,21 +132,21 @@ int reads_blocks(const Weight *w, int64_t in);
 /* Row o of W, rows of `in` weights: its stored bytes, and their type in *qtype. */
 const uint8_t *block_row(const Weight *w, int64_t o, int64_t in, int *qtype);
 
-/* int8_gemm.c: rows of x rounded as block_q8.c rounds them, for the products of many rows: q [rows, in],
- * scales per 32 [rows, in / 32] and scale * sum(q) per 16 [rows, in / 16] and per 32, with room (and
- * zeros, or any finite values) for rows up to a multiple of INT8_GEMM_ROWS. */
+/* int8_gemm.c: rows of x rounded as block_q8.c rounds them, for the products of many rows: codes q + 128
+ * [rows, in], scales per 32 [rows, in / 32] and scale * sum(q) per 32, with room (and any values) for
+ * rows up to a multiple of INT8_GEMM_ROWS. */
 #define INT8_GEMM_ROWS 4
 typedef struct {
-    const int8_t *q;
-    const float *scales, *sums16, *sums32;
+    const uint8_t *codes;
+    const float *scales, *sums;
     int64_t rows, in;
 } Int8Rows;
 
 /* Whether this build and CPU have int8_gemm.c's products (AVX-512 VNNI). */
 int int8_gemm_available(void);
 
-/* Rounds x [rows, in] into q, scales and sums as Int8Rows holds them. */
-void int8_rows(const float *x, int64_t rows, int64_t in, int8_t *q, float *scales, float *sums16, float *sums32);
+/* Rounds x [rows, in] into codes, scales and sums as Int8Rows holds them. */
+void int8_rows(const float *x, int64_t rows, int64_t in, uint8_t *codes, float *scales, float *sums);
 
 /* Bytes of one thread's scratch for int8_gemm_share with rows of `in` weights. */
 int64_t int8_scratch_bytes(int64_t in);
