@@ -318,3 +318,18 @@ def test_steps_with_a_prefill_keep_the_torch_path() -> None:
     meta = decode_metadata([1], tables[:1])
     meta.native_decode = False
     assert not decoder.accepts(meta)
+
+
+def test_a_stored_head_writes_logits_into_one_buffer() -> None:
+    """Each step's logits reuse the model's buffer (a new tensor would be fresh pages every step), and
+    equal the head's product computed on its own."""
+    model = stored_model(attention_bias=False, storage="Q8_0", quantization="gguf")
+    assert model.logits_kernel is not None
+    hidden = torch.randn(6, model.config.hidden_size)
+    first = model.compute_logits(hidden)
+    torch.testing.assert_close(first, model.logits_kernel(hidden))
+    fewer = model.compute_logits(hidden[:4])
+    assert fewer.data_ptr() == first.data_ptr()
+    torch.testing.assert_close(fewer, model.logits_kernel(hidden[:4]))
+    more = model.compute_logits(torch.randn(9, model.config.hidden_size))
+    assert more.shape == (9, model.config.vocab_size)

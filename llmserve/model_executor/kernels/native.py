@@ -219,10 +219,12 @@ def paged_decode_attention(
 BLOCK_GEMV_MAX_ROWS = 16
 
 
-def block_gemv(x: torch.Tensor, weight: Weight, out_features: int) -> torch.Tensor:
+def block_gemv(
+    x: torch.Tensor, weight: Weight, out_features: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [rows <= 16, in] fp32, rounded to int8 per block of 32, @ W.T (+ bias), W [out_features, in] in
-    GGUF blocks (block_q8.c: what decode steps with int8 activations compute)."""
-    status, y = _int8_product("block_gemv", x, weight, out_features)
+    GGUF blocks (block_q8.c: what decode steps with int8 activations compute); into `out` where given."""
+    status, y = _int8_product("block_gemv", x, weight, out_features, out)
     if status != 0:
         types = sorted({weight.parts[i].qtype for i in range(weight.num_parts)})
         raise ValueError(
@@ -236,30 +238,42 @@ def int8_gemm_available() -> bool:
     return bool(_library().int8_gemm_available())
 
 
-def int8_gemm(x: torch.Tensor, weight: Weight, out_features: int) -> torch.Tensor | None:
+def int8_gemm(
+    x: torch.Tensor, weight: Weight, out_features: int, out: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """x [rows, in] fp32, rounded to int8 per block of 32 as block_gemv rounds it, @ W.T (+ bias), W in
-    GGUF blocks, for many rows (int8_gemm.c); None where this CPU (see int8_gemm_available) or W has no
-    such product."""
-    status, y = _int8_product("int8_gemm", x, weight, out_features)
+    GGUF blocks, for many rows (int8_gemm.c), into `out` where given; None where this CPU (see
+    int8_gemm_available) or W has no such product."""
+    status, y = _int8_product("int8_gemm", x, weight, out_features, out)
     if status == -2:
         raise MemoryError("int8_gemm could not allocate its buffers.")
     return y if status == 0 else None
 
 
 def _int8_product(
-    kernel: str, x: torch.Tensor, weight: Weight, out_features: int
+    kernel: str, x: torch.Tensor, weight: Weight, out_features: int, out: torch.Tensor | None
 ) -> tuple[int, torch.Tensor]:
     """The C kernel `kernel`'s status and y for x [rows, in] @ W.T."""
     function = getattr(_library(), kernel)
     x = x.contiguous()
     _check("x", x, torch.float32, 2)
     _check_weight(weight, out_features)
-    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    y = _output(x.shape[0], out_features, out)
     threads = torch.get_num_threads()
     status = function(
         x.data_ptr(), x.shape[0], x.shape[1], ctypes.byref(weight), out_features, y.data_ptr(), threads
     )
     return int(status), y
+
+
+def _output(rows: int, out_features: int, out: torch.Tensor | None) -> torch.Tensor:
+    """`out`, checked to be a product's y [rows, out_features] fp32, or a new one."""
+    if out is None:
+        return torch.empty(rows, out_features, dtype=torch.float32)
+    _check("out", out, torch.float32, 2)
+    if tuple(out.shape) != (rows, out_features):
+        raise ValueError(f"out must have shape {(rows, out_features)}, got {tuple(out.shape)}.")
+    return out
 
 
 def is_block_type(qtype: int) -> bool:
@@ -317,13 +331,15 @@ def dequantize_rows(data: torch.Tensor, qtype: int, in_features: int, ids: torch
     return out
 
 
-def weight_gemm(x: torch.Tensor, weight: Weight, out_features: int) -> torch.Tensor:
-    """x [rows, in] fp32 @ W.T (+ bias), W stored as `weight` describes."""
+def weight_gemm(
+    x: torch.Tensor, weight: Weight, out_features: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [rows, in] fp32 @ W.T (+ bias), W stored as `weight` describes; into `out` where given."""
     library = _library()
     x = x.contiguous()
     _check("x", x, torch.float32, 2)
     _check_weight(weight, out_features)
-    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    y = _output(x.shape[0], out_features, out)
     status = library.weight_gemm(
         x.data_ptr(), x.shape[0], x.shape[1], ctypes.byref(weight), y.data_ptr(), torch.get_num_threads()
     )

@@ -99,16 +99,17 @@ class StoredKernel:
         self.weight = weight
         self.plan = plan
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T, into `out` [rows, out_features] where given (x 2-D then)."""
         if x.dim() != 2:
             return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
         product = self.plan.stored_product(x.shape[0])
         if product is StoredProduct.WEIGHT_GEMM:
-            return self.weight(x)
+            return self.weight(x, out)
         if product is StoredProduct.BLOCKS_AS_INTEGERS:
-            return native.block_gemv(x, self.weight.native, self.weight.out_features)
+            return native.block_gemv(x, self.weight.native, self.weight.out_features, out)
         if product is StoredProduct.INT8_GEMM:
-            y = native.int8_gemm(x, self.weight.native, self.weight.out_features)
+            y = native.int8_gemm(x, self.weight.native, self.weight.out_features, out)
             if y is not None:
                 return y
-        return self.weight(native.round_rows(x))
+        return self.weight(native.round_rows(x), out)

@@ -79,5 +79,5 @@ class StoredWeight:
     def nbytes(self) -> int:
         return sum(part.data.numel() for part in self.parts)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return native.weight_gemm(x, self.native, self.out_features)
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return native.weight_gemm(x, self.native, self.out_features, out)

@@ -69,6 +69,9 @@ class CausalLM(nn.Module):
             else Linear(config.hidden_size, config.vocab_size, False, stored)
         )
         self.logits_kernel: LinearKernel | None = None
+        # A stored head's products write a step's logits here, not into a new tensor: at 64 rows of a
+        # 262,144-token vocabulary a new one is 67 MB of fresh pages, faulted in at every step.
+        self.logits_buffer = torch.empty(0)
         self.native_decoder: NativeDecoder | None = None  # decode steps in C, when the plan says so
 
     @classmethod
@@ -113,6 +116,13 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab] fp32 of hidden [rows, hidden_size]; with a stored head, valid until the
+        next call (they lie in `logits_buffer`)."""
+        if isinstance(self.logits_kernel, StoredKernel):
+            rows = hidden.shape[0]
+            if self.logits_buffer.shape[0] < rows:
+                self.logits_buffer = torch.empty(rows, self.config.vocab_size)
+            return self.logits_kernel(hidden, out=self.logits_buffer[:rows])
         if self.logits_kernel is not None:
             return self.logits_kernel(hidden).float()
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
