@@ -22,8 +22,10 @@
 static inline float block_scale(const float *xb, float *inverse)
 {
     float amax = 0.0f;
-    for (int j = 0; j < QK; j++)
-        amax = fmaxf(amax, fabsf(xb[j]));
+    for (int j = 0; j < QK; j++) {
+        const float a = fabsf(xb[j]);
+        amax = a > amax ? a : amax; /* a max instruction; fmaxf, which must order NaNs, is a libm call */
+    }
     const float s = amax / 127.0f;
     *inverse = s != 0.0f ? 1.0f / s : 0.0f;
     return s;

@@ -289,10 +289,14 @@ int int8_gemm(const float *x, int64_t rows, int64_t in, const Weight *w, int64_t
     uint8_t *scratch = aligned_alloc(64, (size_t)(num_threads * int8_scratch_bytes(in)));
     const int status = codes && scales && sums && scratch ? 0 : -2;
     if (status == 0) {
-        int8_rows(x, rows, in, codes, scales, sums);
         const Int8Rows rounded = {codes, scales, sums, rows, in};
 #pragma omp parallel num_threads(num_threads)
-        int8_gemm_share(&rounded, w, out, y, 0, scratch + omp_get_thread_num() * int8_scratch_bytes(in));
+        {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++)
+                int8_rows(x + r * in, 1, in, codes + r * in, scales + r * (in / QK), sums + r * (in / QK));
+            int8_gemm_share(&rounded, w, out, y, 0, scratch + omp_get_thread_num() * int8_scratch_bytes(in));
+        }
     }
     free(codes);
     free(scales);
