@@ -139,7 +139,7 @@ class ModelRunner:
         would have sampled in a step of its own, with the same draws of a seeded generator. Tokens come
         from the processed logits; logprobs from the raw ones, after the grammar bitmask (as vLLM's: a
         token the grammar forbids has logprob -inf)."""
-        logits = self.model.compute_logits(hidden)  # [rows, vocab] fp32
+        logits = self.model.compute_logits(hidden, reuse=True)  # [rows, vocab] fp32
         counts = [1 + len(s.spec_token_ids) for s in sampling]
         first = list(itertools.accumulate(counts, initial=0))
         row_requests = [s.request for s, n in zip(sampling, counts) for _ in range(n)]

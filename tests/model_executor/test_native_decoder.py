@@ -320,16 +320,20 @@ def test_steps_with_a_prefill_keep_the_torch_path() -> None:
     assert not decoder.accepts(meta)
 
 
-def test_a_stored_head_writes_logits_into_one_buffer() -> None:
-    """Each step's logits reuse the model's buffer (a new tensor would be fresh pages every step), and
-    equal the head's product computed on its own."""
+def test_a_stored_head_writes_sampled_logits_into_one_buffer() -> None:
+    """A step's sampled logits reuse the model's buffer (a new tensor would be fresh pages every step)
+    and equal the head's product computed on its own; other logits (prompt logprobs' chunks) do not
+    grow it."""
     model = stored_model(attention_bias=False, storage="Q8_0", quantization="gguf")
     assert model.logits_kernel is not None
     hidden = torch.randn(6, model.config.hidden_size)
-    first = model.compute_logits(hidden)
+    first = model.compute_logits(hidden, reuse=True)
     torch.testing.assert_close(first, model.logits_kernel(hidden))
-    fewer = model.compute_logits(hidden[:4])
+    fewer = model.compute_logits(hidden[:4], reuse=True)
     assert fewer.data_ptr() == first.data_ptr()
     torch.testing.assert_close(fewer, model.logits_kernel(hidden[:4]))
-    more = model.compute_logits(torch.randn(9, model.config.hidden_size))
+    more = model.compute_logits(torch.randn(9, model.config.hidden_size), reuse=True)
     assert more.shape == (9, model.config.vocab_size)
+    chunk = model.compute_logits(torch.randn(20, model.config.hidden_size))
+    assert chunk.data_ptr() != more.data_ptr()
+    assert model.logits_buffer.shape[0] == 9

@@ -100,9 +100,10 @@ class StoredKernel:
         self.plan = plan
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W.T, into `out` [rows, out_features] where given (x 2-D then)."""
+        """x @ W.T, into `out` (of the product's shape) where given."""
         if x.dim() != 2:
-            return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+            flat = None if out is None else out.view(-1, out.shape[-1])
+            return self(x.reshape(-1, x.shape[-1]), flat).reshape(*x.shape[:-1], -1)
         product = self.plan.stored_product(x.shape[0])
         if product is StoredProduct.WEIGHT_GEMM:
             return self.weight(x, out)

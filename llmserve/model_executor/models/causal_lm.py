@@ -69,8 +69,8 @@ class CausalLM(nn.Module):
             else Linear(config.hidden_size, config.vocab_size, False, stored)
         )
         self.logits_kernel: LinearKernel | None = None
-        # A stored head's products write a step's logits here, not into a new tensor: at 64 rows of a
-        # 262,144-token vocabulary a new one is 67 MB of fresh pages, faulted in at every step.
+        # A stored head's products write a step's sampled logits here, not into a new tensor: at 64 rows
+        # of a 262,144-token vocabulary a new one is 67 MB of fresh pages, faulted in at every step.
         self.logits_buffer = torch.empty(0)
         self.native_decoder: NativeDecoder | None = None  # decode steps in C, when the plan says so
 
@@ -115,10 +115,12 @@ class CausalLM(nn.Module):
             x = layer(angles[id(rotary)], x, kv_cache, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [rows, vocab] fp32 of hidden [rows, hidden_size]; with a stored head, valid until the
-        next call (they lie in `logits_buffer`)."""
-        if isinstance(self.logits_kernel, StoredKernel):
+    def compute_logits(self, hidden: torch.Tensor, reuse: bool = False) -> torch.Tensor:
+        """Logits [rows, vocab] fp32 of hidden [rows, hidden_size]. With `reuse` (a step's sampling) a
+        stored head writes them into `logits_buffer`, valid until the next such call; the prompt
+        logprobs' chunks of up to a thousand rows take new tensors, so the buffer stays as large as
+        the most rows a step has sampled."""
+        if reuse and isinstance(self.logits_kernel, StoredKernel):
             rows = hidden.shape[0]
             if self.logits_buffer.shape[0] < rows:
                 self.logits_buffer = torch.empty(rows, self.config.vocab_size)

@@ -222,8 +222,8 @@ class Gemma3ForCausalLM(CausalLM):
         x = super().embed(input_ids)
         return x * _embed_scale(self.config.hidden_size, x.dtype)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, reuse: bool = False) -> torch.Tensor:
+        logits = super().compute_logits(hidden, reuse)
         cap = self.config.final_logit_softcapping
         if cap is None:
             return logits
