@@ -93,8 +93,10 @@ class DecoderLayer(nn.Module):
         v = v.reshape(-1, s.num_kv_heads, s.head_dim)
         attended = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, s.scale, s.sliding_window)
         out = p.o(attended.reshape(-1, q_size))
-        x = x + (out if p.attn_out_norm is None else p.attn_out_norm(out))
+        # In place on the new tensors a product or a norm returned: a prefill step's [tokens, width]
+        # temporaries are megabytes each, and every one allocated is written and faulted in again.
+        x = (out if p.attn_out_norm is None else p.attn_out_norm(out)).add_(x)
         gate, up = p.gate_up(p.mlp_norm(x)).split(s.intermediate_size, dim=-1)
         act = F.silu(gate) if s.activation == "silu" else F.gelu(gate, approximate="tanh")
-        out = p.down(act * up)
-        return x + (out if p.mlp_out_norm is None else p.mlp_out_norm(out))
+        out = p.down(act.mul_(up))
+        return (out if p.mlp_out_norm is None else p.mlp_out_norm(out)).add_(x)
