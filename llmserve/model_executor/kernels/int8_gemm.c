@@ -9,9 +9,9 @@
  * 16 outputs against 4 broadcast activations, 64 products where an fp32 multiply-add takes 16. VNNI
  * multiplies unsigned bytes by signed ones, so x goes in as q + 128 (Int8Rows.codes) and each sum starts
  * from -128 times its weights' sum (`corrections`), which leaves the exact integer q . w. The int32 sums
- * are scaled into fp32 accumulators per 32 weights, where x's scale changes; the offsets meet x's sums.
- * On this kernel's CPUs a multiply-add of floats takes the same unit as a VNNI instruction (Zen 4: one
- * 512-bit either per cycle), so the scaling is kept to a multiply and a multiply-add per 32 weights.
+ * of each unit (32 weights, 16 in a Q6_K panel) are scaled into fp32 accumulators with one multiply and
+ * one multiply-add, the offsets meeting x's sums per 32: on this kernel's CPUs a float multiply-add takes
+ * the same unit as a VNNI instruction (Zen 4: one 512-bit either per cycle), while a conversion does not.
  * Elsewhere int8_gemm_available() is 0 and the callers round x (round_rows) for weight_gemm.c: the same
  * values, summed in another order.
  */
@@ -28,14 +28,20 @@
 #define MR INT8_GEMM_ROWS /* rows of x per pass over the panel */
 
 typedef struct {
-    int8_t *values;      /* [in / 4][NP][4]: weights as signed bytes, centred */
-    float *scales;       /* [in / unit][NP] */
-    float *offsets;      /* [in / 32][NP]: the minimum of Q4_1, Q5_1, Q4_K and Q5_K rows, 0 for others */
+    int8_t *values;       /* [in / 4][NP][4]: weights as signed bytes, centred */
+    float *scales;        /* [in / unit][NP] */
+    float *offsets;       /* [in / 32][NP]: the minimum of has_minimum types' rows, 0 for others */
     int32_t *corrections; /* [in / unit][NP]: -128 times the sum of the unit's values */
-    int8_t *rows;        /* [NP][in]: the same bytes row by row, before the transpose */
-    int unit;            /* weights per scale: 32, or 16 where a row is Q6_K */
-    int has_offsets;     /* some row has a minimum */
+    int8_t *rows;         /* [NP][in]: the same bytes row by row, before the transpose */
+    int unit;             /* weights per scale: 32, or 16 where a row is Q6_K */
+    int has_offsets;      /* some row has_minimum */
 } Panel;
+
+/* Whether a type's weights are scale * v + minimum (the others' centre is taken out of v). */
+INLINE int has_minimum(int qtype)
+{
+    return qtype == Q4_1 || qtype == Q5_1 || qtype == Q4_K || qtype == Q5_K;
+}
 
 /* The sums of v's two halves of 16 signed bytes. */
 INLINE void half_sums(__m256i v, int32_t sums[2])
@@ -49,7 +55,6 @@ INLINE void half_sums(__m256i v, int32_t sums[2])
 INLINE void pack_row(int qtype, const uint8_t *row, int64_t chunks, int j, Panel *p)
 {
     const int centre = qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : 0; /* Q8_0 and Q6_K come signed */
-    const int with_min = qtype == Q4_1 || qtype == Q5_1 || qtype == Q4_K || qtype == Q5_K;
     KScales k;
     for (int64_t s = 0; s < chunks; s++) {
         if (is_k_type(qtype) && s % 8 == 0)
@@ -70,7 +75,7 @@ INLINE void pack_row(int qtype, const uint8_t *row, int64_t chunks, int j, Panel
             p->scales[s * NP + j] = c.scale[0];
             p->corrections[s * NP + j] = -128 * (sums[0] + sums[1]);
         }
-        p->offsets[s * NP + j] = with_min ? c.offset : 0.0f;
+        p->offsets[s * NP + j] = has_minimum(qtype) ? c.offset : 0.0f;
     }
 }
 
@@ -119,7 +124,7 @@ static void pack_panel(const Weight *w, int64_t in, int64_t o0, int64_t out, Pan
         int qtype;
         block_row(w, o0 + j, in, &qtype);
         p->unit = qtype == Q6_K ? 16 : p->unit;
-        p->has_offsets |= qtype == Q4_1 || qtype == Q5_1 || qtype == Q4_K || qtype == Q5_K;
+        p->has_offsets |= has_minimum(qtype);
     }
     for (int j = 0; j < NP; j++) {
         if (o0 + j >= out) {
@@ -243,10 +248,10 @@ __attribute__((target("avx512vnni"))) /* called where int8_gemm_available() */
 void int8_gemm_share(const Int8Rows *x, const Weight *w, int64_t out, float *y, int accumulate, uint8_t *scratch)
 {
 #ifdef VNNI_BUILD
-    const int64_t in = x->in, most_units = in / 16;
+    const int64_t in = x->in, units16 = in / 16; /* the most units a panel has */
     float *scales = (float *)(scratch + 2 * in * NP);
-    int32_t *corrections = (int32_t *)(scales + most_units * NP);
-    float *offsets = (float *)(corrections + most_units * NP);
+    int32_t *corrections = (int32_t *)(scales + units16 * NP);
+    float *offsets = (float *)(corrections + units16 * NP);
     Panel p = {(int8_t *)scratch, scales, offsets, corrections, (int8_t *)scratch + in * NP, QK, 0};
 #pragma omp for schedule(dynamic, 1)
     for (int64_t o0 = 0; o0 < out; o0 += NP) {
