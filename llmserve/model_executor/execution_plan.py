@@ -12,6 +12,9 @@ the plan. The rules, each with the reason it exists:
   batch size multiplies the same values.
 - Decode attention reads the paged cache in place in C (`paged_attention.c`) wherever the library
   built and computes in fp32; else PyTorch gathers the blocks.
+- Sampling's argmax (every greedy token) reads the logits with vectors in C (`argmax.c`) on the CPU
+  wherever the library built: PyTorch's compares one value at a time, 12 ms a step for 64 rows of a
+  262,144-token vocabulary. Same indices, ties and NaNs included.
 - A decode-only step runs every layer in one C call (`decoder_step.c`) when the architecture's layer
   is the one that kernel computes and every projection keeps a stored weight.
 - An encoder (BERT) multiplies whole prompts, hundreds of rows at once, and never decodes: its weights
@@ -48,6 +51,7 @@ class ExecutionPlan:
     block_rows: int  # with int8 activations, products of up to this many rows read the blocks
     int8_gemm: bool  # with int8 activations, larger products take int8_gemm.c (AVX-512 VNNI)
     decode_attention: str  # "paged_attention.c" | "torch"
+    argmax: str  # "argmax.c" | "torch"
     fused_decode: bool  # decode-only steps through decoder_step.c
     reasons: tuple[str, ...]  # one line per decision that was not the fast path, for the log
     encoder: bool = False  # bidirectional, whole prompts: no KV cache, no decode
@@ -95,6 +99,7 @@ class ExecutionPlan:
             block_rows=native.BLOCK_GEMV_MAX_ROWS if int8_activations else 0,
             int8_gemm=int8_activations and native_path and native.int8_gemm_available(),
             decode_attention="paged_attention.c" if native_path and not encoder else "torch",
+            argmax="argmax.c" if library and device.type == "cpu" and not encoder else "torch",
             fused_decode=fused,
             reasons=tuple(reasons),
             encoder=encoder,
@@ -134,7 +139,8 @@ class ExecutionPlan:
             lines.append("  attention: bidirectional, torch SDPA per prompt (an encoder: no KV cache)")
         else:
             lines += [
-                f"  decode attention: {self.decode_attention}; prefill attention: torch SDPA",
+                f"  decode attention: {self.decode_attention}; prefill attention: torch SDPA;"
+                f" sampling's argmax: {self.argmax}",
                 "  decode-only steps: "
                 + ("every layer in one decoder_step.c call" if self.fused_decode else "op by op"),
             ]

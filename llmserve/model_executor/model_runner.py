@@ -15,13 +15,21 @@ from llmserve.model_executor.device import resolve_device, resolve_dtype
 from llmserve.model_executor.execution_plan import ExecutionPlan
 from llmserve.model_executor.host_memory import empty_pool, populate_in_background
 from llmserve.model_executor.input_buffers import InputBuffers
+from llmserve.model_executor.kernels import native
 from llmserve.model_executor.loader import ModelSource, iter_weights
 from llmserve.model_executor.logits_processors import apply_logits_processors, build_logits_metadata
 from llmserve.model_executor.models.causal_lm import KVCache
 from llmserve.model_executor.models.decoder_config import DecoderConfig
 from llmserve.model_executor.models.registry import model_class
 from llmserve.model_executor.pooler import Pooler, PoolerConfig, PoolingSpan, vector_bytes
-from llmserve.model_executor.sampler import SamplingMetadata, gather_logprobs, sample, skip_draws
+from llmserve.model_executor.sampler import (
+    Argmax,
+    SamplingMetadata,
+    gather_logprobs,
+    sample,
+    skip_draws,
+    torch_argmax,
+)
 from llmserve.scheduling.request import Request
 from llmserve.scheduling.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from llmserve.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
@@ -69,6 +77,7 @@ class ModelRunner:
         self.block_size = 0
         self.inputs = InputBuffers()
         self._generators: dict[str, torch.Generator] = {}
+        self._argmax: Argmax = native.argmax_rows if self.plan.argmax == "argmax.c" else torch_argmax
 
     @property
     def native(self) -> bool:
@@ -154,7 +163,7 @@ class ModelRunner:
             for i, s in enumerate(sampling)
             if s.spec_token_ids and (generator := metadata.generators.get(first[i])) is not None
         }
-        sampled = sample(processed, metadata)
+        sampled = sample(processed, metadata, self._argmax)
         row_tokens = sampled.tolist()
         kept = [
             _num_kept(row_tokens[start : start + n], s.spec_token_ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,12 +22,20 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]  # row → its request's seeded generator
 
 
-def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+Argmax = Callable[[torch.Tensor], torch.Tensor]  # [rows, n] -> [rows] int64, as torch.argmax(dim=-1)
+
+
+def torch_argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, meta: SamplingMetadata, argmax: Argmax = torch_argmax) -> torch.Tensor:
     """logits [batch, vocab] fp32, after `apply_logits_processors` → token ids [batch] int64.
 
     Temperature, then min-p, then top-k and top-p; greedy rows take the argmax of the given logits.
+    `argmax` is the execution plan's (the C kernel on the CPU).
     """
-    greedy = logits.argmax(dim=-1)
+    greedy = argmax(logits)
     if meta.all_greedy:
         return greedy
     # A temperature past fp32's range (1e39) is inf here, and -inf / inf is NaN: masked tokens would
@@ -40,7 +49,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     if meta.top_k is not None or meta.top_p is not None:
         logits = _apply_top_k_top_p(logits, meta.top_k, meta.top_p)
     probs = logits.softmax(dim=-1)
-    random = _exponential_race(probs, meta.generators)
+    random = _exponential_race(probs, meta.generators, argmax)
     return torch.where(meta.temperature > 0, random, greedy)
 
 
@@ -67,7 +76,9 @@ def _apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def _exponential_race(
+    probs: torch.Tensor, generators: dict[int, torch.Generator], argmax: Argmax
+) -> torch.Tensor:
     """Sample each row as argmax(p / E) with E ~ Exp(1), which draws from p exactly.
 
     Rows of seeded requests draw E from their own generator, one row of draws per row in order (see
@@ -76,7 +87,7 @@ def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator
     noise = torch.empty_like(probs).exponential_()
     for row, generator in generators.items():
         noise[row].exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1)
+    return argmax(probs / noise)
 
 
 def skip_draws(generator: torch.Generator, num_rows: int, vocab: int) -> None:

@@ -72,6 +72,12 @@ def test_an_architecture_without_the_fused_layer_decodes_op_by_op_with_stored_we
     assert any("op by op" in reason for reason in p.reasons)
 
 
+def test_sampling_argmax_takes_the_c_kernel_on_the_cpu_with_the_library() -> None:
+    assert plan().argmax == "argmax.c" and plan(dtype=torch.bfloat16).argmax == "argmax.c"
+    assert plan(native_kernels=False).argmax == "torch"
+    assert plan(device=torch.device("cuda"), dtype=torch.bfloat16).argmax == "torch"
+
+
 def test_quantization_without_our_kernels_is_refused() -> None:
     with pytest.raises(ValueError, match="quantization='int8' needs the CPU"):
         plan("int8", native_kernels=False)

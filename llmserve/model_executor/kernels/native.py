@@ -117,6 +117,8 @@ def _load(isa: str) -> ctypes.CDLL | None:
     spec, i64, ptr = ctypes.POINTER(DecoderSpec), _I64, _PTR
     library.decoder_step.argtypes = [spec, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int]
     library.decoder_step.restype = ctypes.c_int
+    library.argmax_rows.argtypes = [_PTR, _I64, _I64, _PTR, ctypes.c_int]
+    library.argmax_rows.restype = None
     return library
 
 
@@ -217,6 +219,19 @@ def paged_decode_attention(
 
 
 BLOCK_GEMV_MAX_ROWS = 16
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of x [rows, n] fp32 (n >= 1) as [rows] int64: the same indices, ties and NaNs
+    included, read with vectors (argmax.c)."""
+    x = x.contiguous()
+    _check("x", x, torch.float32, 2)
+    rows, n = x.shape
+    if n < 1 or n >= 2**31:
+        raise ValueError(f"argmax_rows takes rows of 1 to 2^31 - 1 values, got {n}.")
+    out = torch.empty(rows, dtype=torch.int64)
+    _library().argmax_rows(x.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def block_gemv(
