@@ -67,6 +67,6 @@ def test_start_up_logs_weights_kv_pool_concurrency_and_kernel_build(
     assert plan[:4] == [
         "Execution plan (cpu, float32):",
         "  projections: stored weights in the checkpoint's format, weight_gemm.c at every batch size",
-        "  decode attention: paged_attention.c; prefill attention: torch SDPA",
+        "  decode attention: paged_attention.c; prefill attention: torch SDPA; sampling's argmax: argmax.c",
         "  decode-only steps: every layer in one decoder_step.c call",
     ]

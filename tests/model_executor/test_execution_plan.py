@@ -9,6 +9,7 @@ from llmserve.config import ModelConfig
 from llmserve.model_executor.execution_plan import ExecutionPlan, StoredProduct
 from llmserve.model_executor.kernels import native
 from llmserve.model_executor.models.registry import model_class, supported_architectures
+from tests.fixtures.tiny_models import phi3_config, phi3_longrope_config
 
 CPU, FP32 = torch.device("cpu"), torch.float32
 
@@ -76,6 +77,39 @@ def test_sampling_argmax_takes_the_c_kernel_on_the_cpu_with_the_library() -> Non
     assert plan().argmax == "argmax.c" and plan(dtype=torch.bfloat16).argmax == "argmax.c"
     assert plan(native_kernels=False).argmax == "torch"
     assert plan(device=torch.device("cuda"), dtype=torch.bfloat16).argmax == "torch"
+
+
+def test_a_gpu_holds_dense_weights_for_pytorch_everywhere() -> None:
+    p = plan(device=torch.device("cuda"), dtype=torch.bfloat16)
+    assert not p.stored_weights and not p.fused_decode and p.decode_attention == "torch"
+    assert p.dense_product() == "torch"
+    assert any("device cuda" in reason for reason in p.reasons)
+
+
+def test_a_library_that_did_not_build_leaves_pytorch_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "load_library", lambda isa=None: None)
+    p = plan()
+    assert not p.stored_weights and not p.fused_decode
+    assert p.decode_attention == "torch" and p.argmax == "torch"
+    assert any("unavailable" in reason for reason in p.reasons)
+
+
+def test_an_encoder_holds_dense_weights_through_onednn_and_never_decodes() -> None:
+    config = ModelConfig()
+    p = ExecutionPlan.decide(config, CPU, FP32, "BertModel", fused_decode_layer=False, encoder=True)
+    assert p.encoder and not p.stored_weights and not p.fused_decode
+    assert p.decode_attention == "torch" and p.dense_product() == "onednn"
+    assert "no KV cache" in " ".join(p.describe())
+    with pytest.raises(ValueError, match="BertModel is an encoder"):
+        ExecutionPlan.decide(ModelConfig(quantization="gguf"), CPU, FP32, "BertModel", False, encoder=True)
+
+
+def test_partial_rotary_phi_decodes_op_by_op_and_full_rotary_phi_in_one_call() -> None:
+    phi3 = model_class("Phi3ForCausalLM")
+    architecture = {"architectures": ["Phi3ForCausalLM"]}
+    partial = phi3.config_class.from_hf_dict({**phi3_longrope_config().to_dict(), **architecture})
+    whole = phi3.config_class.from_hf_dict({**phi3_config().to_dict(), **architecture})
+    assert not phi3.fused_decode_layer(partial) and phi3.fused_decode_layer(whole)
 
 
 def test_quantization_without_our_kernels_is_refused() -> None:
