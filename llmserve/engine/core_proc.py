@@ -11,6 +11,7 @@ A fresh interpreter running this module, unlike multiprocessing's spawn, never i
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import pickle
@@ -194,6 +195,10 @@ class EngineCoreProc:
             self._report(EngineCoreEventType.STARTUP_FAILED, e)
             self.input_socket.close()  # its thread never started
             return self._close(1)
+        # What start-up made (the model, the tokenizer's tables) lives as long as this process: frozen,
+        # the cyclic collector's passes while serving no longer walk it (1.6% of a Gemma 3 run's CPU).
+        gc.collect()
+        gc.freeze()
         self.output_queue.put((EngineCoreEventType.READY, engine_core.limits))
         self.input_thread.start()
         try:
