@@ -7,7 +7,6 @@ back, as Hugging Face's Gemma does; the checkpoint holds w either way.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -19,7 +18,10 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        # Hugging Face's own formula: on the CPU F.rms_norm took 2.1 ms for a [2048, 640] prefill chunk
+        # where these three ops take 0.75.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
             return (normed * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * normed.to(x.dtype)
