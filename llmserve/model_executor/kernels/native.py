@@ -16,6 +16,7 @@ bounds, raising ValueError: a wrong tensor would otherwise be read as raw memory
 - `block_q8.c`: a few rows rounded to int8 times GGUF blocks, as integers (`--quantization gguf|int8|int4`).
 - `int8_gemm.c`: the same for many rows, with AVX-512 VNNI.
 - `decoder_step.c`: a decode step through every decoder layer, from those.
+- `argmax.c`: each row's argmax, as torch.argmax gives it, for sampling.
 """
 
 from __future__ import annotations

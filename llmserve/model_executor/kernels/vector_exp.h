@@ -1,6 +1,6 @@
 /* e^x on vectors of floats, for the softmax (paged_attention.c) and the MLP's gate (decoder_step.c):
  * Cephes' range reduction to x = n ln 2 + r, |r| <= ln 2 / 2, and its degree-5 polynomial, within 2 ulp
- * of expf for x in [-87.3, 88] (clamped there: e^x is then 0 to 1e-38 below, and 1.6e38 above). The
+ * of expf for x in [-87.3, 88], and clamped there: below (NaN included) it returns e^-87.3, above e^88. The
  * AVX-512 version computes the same operations in the same order, so each lane's result is the same. */
 #ifndef LLMSERVE_VECTOR_EXP_H
 #define LLMSERVE_VECTOR_EXP_H
