@@ -274,8 +274,10 @@ def print_reports(reports: list[Report]) -> None:
     ratios = [f"{ours.name}/{r.name}" for r in others]
     print(f"{'':18}" + "".join(f"{r.name:>14}" for r in reports) + "".join(f"{n:>24}" for n in ratios))
     for key, value in ours.rows().items():
-        theirs = [r.rows()[key] for r in others]
-        line = f"{key:18}" + "".join(f"{v:14.2f}" for v in [value, *theirs])
+        theirs = [r.rows().get(key) for r in others]  # only our servers' memory is read
+        line = f"{key:18}" + "".join(
+            f"{v:14.2f}" if v is not None else f"{'-':>14}" for v in [value, *theirs]
+        )
         print(line + "".join(f"{value / v:23.2f}x" if v else f"{'-':>24}" for v in theirs))
     print("completed/failed: " + ", ".join(f"{r.name} {r.completed}/{r.failed}" for r in reports))
 

@@ -89,3 +89,10 @@ def test_serving_ratios_are_ours_over_each_peer(capsys: pytest.CaptureFixture[st
     header, *_, tok_per_s, _requests, _done = capsys.readouterr().out.splitlines()
     assert header.split()[-2:] == ["llmserve/llama-cpp", "llmserve/llama-server"]
     assert tok_per_s.split()[-2:] == ["2.00x", "0.50x"]
+
+
+def test_a_row_only_our_server_has_prints_without_a_ratio(capsys: pytest.CaptureFixture[str]) -> None:
+    ours = Report("llmserve", 4, 0, 0.1, 0.2, 0.01, 60.0, 1.0, memory_gib={"RSS": 1.5})
+    print_reports([ours, Report("llama-server", 4, 0, 0.1, 0.2, 0.01, 30.0, 1.0)])
+    rss = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("RSS (GiB)"))
+    assert rss.split()[2:] == ["1.50", "-", "-"]
