@@ -5,11 +5,14 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.engine.core import EngineCore
+from llmserve.model_executor.models.native_decoder import NativeDecoder
 from tests.fixtures.tiny_llama import VOCAB_SIZE
 from tests.greedy_match import assert_same_greedy
 
@@ -21,6 +24,19 @@ def make_llm(model: Path, **kwargs: object) -> LLM:
 
 def core_of(llm: LLM) -> EngineCore:
     return llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined,no-any-return]
+
+
+def count_native_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A one-item list counting the decode steps in-process engines run through decoder_step.c."""
+    calls = [0]
+    step = NativeDecoder.__call__
+
+    def counted(self: NativeDecoder, *args: Any) -> torch.Tensor:
+        calls[0] += 1
+        return step(self, *args)
+
+    monkeypatch.setattr(NativeDecoder, "__call__", counted)
+    return calls
 
 
 @pytest.fixture(scope="module")

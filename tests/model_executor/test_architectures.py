@@ -23,7 +23,7 @@ from llmserve import LLM, RequestOutput, SamplingParams
 from llmserve.engine.input_processor import TokensPrompt
 from llmserve.scheduling.scheduler import ModelRunnerOutput, SchedulerOutput
 from tests.e2e.greedy_reference import Reference, assert_matches_hf, assert_top_logprobs_match, hf_greedy
-from tests.engine.test_llm_batching import assert_no_leaks, core_of, make_llm
+from tests.engine.test_llm_batching import assert_no_leaks, core_of, count_native_steps, make_llm
 from tests.fixtures.tiny_llama import VOCAB_SIZE
 from tests.fixtures.tiny_models import CONFIGS, LONGROPE_ORIGINAL_CONTEXT, write_qwen3_gguf, write_tiny_model
 
@@ -127,10 +127,13 @@ def record_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, 
 def test_a_batch_mixing_prefill_chunks_and_decodes_matches_transformers(
     llm: LLM, arch: str, references: dict[tuple[int, ...], Reference], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    steps = record_steps(llm, monkeypatch)
+    steps, native_steps = record_steps(llm, monkeypatch), count_native_steps(monkeypatch)
     prompts = mixed_prompts(arch)
     check(llm, llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False), references)
     assert (True, True) in steps, "no step ran a decode beside a prompt's unfinished chunk"
+    # with our kernels, decode-only steps run every layer in one C call (partial rotary: op by op)
+    fused = core_of(llm).model_runner.plan.stored_weights and arch != "phi3_longrope"
+    assert (native_steps[0] > 0) == fused, native_steps
     # prompts longer than a window: the blocks every layer has left behind went back to the pool
     released = core_of(llm).kv_cache_manager.num_window_released
     assert (released > 0) == (core_of(llm).model_runner.config.cache_window is not None), released
