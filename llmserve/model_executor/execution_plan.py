@@ -16,13 +16,16 @@ the plan. The rules, each with the reason it exists:
   wherever the library built: PyTorch's compares one value at a time, 12 ms a step for 64 rows of a
   262,144-token vocabulary. Same indices, ties and NaNs included.
 - A decode-only step runs every layer in one C call (`decoder_step.c`) when the architecture's layer
-  is the one that kernel computes and every projection keeps a stored weight.
+  is the one that kernel computes and every projection keeps a stored weight. The built model is
+  checked too (`native_decoder.misfit`: one norm, layers of one shape, whole-head RoPE): a layer it
+  cannot run decodes op by op, with the reason in the log, rather than failing the load.
 - An encoder (BERT) multiplies whole prompts, hundreds of rows at once, and never decodes: its weights
   are dense, through oneDNN's pre-packed product on the CPU in fp32.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -103,6 +106,13 @@ class ExecutionPlan:
             fused_decode=fused,
             reasons=tuple(reasons),
             encoder=encoder,
+        )
+
+    def without_fused_decode(self, reason: str) -> ExecutionPlan:
+        """The plan once the built model turned out to have layers decoder_step.c cannot run (`reason`):
+        its decode steps run op by op, through the same kernels."""
+        return dataclasses.replace(
+            self, fused_decode=False, reasons=(*self.reasons, f"{reason}: decodes run op by op")
         )
 
     def stored_product(self, rows: int) -> StoredProduct:

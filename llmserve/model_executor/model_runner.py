@@ -20,6 +20,7 @@ from llmserve.model_executor.loader import ModelSource, iter_weights
 from llmserve.model_executor.logits_processors import apply_logits_processors, build_logits_metadata
 from llmserve.model_executor.models.causal_lm import KVCache
 from llmserve.model_executor.models.decoder_config import DecoderConfig
+from llmserve.model_executor.models.native_decoder import misfit
 from llmserve.model_executor.models.registry import model_class
 from llmserve.model_executor.pooler import Pooler, PoolerConfig, PoolingSpan, vector_bytes
 from llmserve.model_executor.sampler import (
@@ -64,13 +65,15 @@ class ModelRunner:
             decoder_config.architecture,
             model_cls.fused_decode_layer(decoder_config),
         )
-        for line in self.plan.describe():
-            logger.info("%s", line)
         torch.manual_seed(model_config.seed)
         with torch.device("meta"):
             model = model_cls(decoder_config, stored=self.plan.stored_weights)
         model = model.to_empty(device=self.device).to(self.dtype)  # RoPE tables: see initialize_kv_cache
         model.load_weights(iter_weights(source, stored=self.plan.stored_weights))
+        if self.plan.fused_decode and (why := misfit(model)) is not None:
+            self.plan = self.plan.without_fused_decode(why)
+        for line in self.plan.describe():
+            logger.info("%s", line)
         model.prepare_kernels(self.plan)
         self.model = model.eval()
         self.kv_caches: list[KVCache] = []

@@ -21,6 +21,7 @@ from gguf import GGUFWriter
 
 from llmserve import LLM, RequestOutput, SamplingParams
 from llmserve.engine.input_processor import TokensPrompt
+from llmserve.model_executor.models.phi3 import Phi3ForCausalLM
 from llmserve.scheduling.scheduler import ModelRunnerOutput, SchedulerOutput
 from tests.e2e.greedy_reference import Reference, assert_matches_hf, assert_top_logprobs_match, hf_greedy
 from tests.engine.test_llm_batching import assert_no_leaks, core_of, count_native_steps, make_llm
@@ -151,6 +152,24 @@ def test_prompts_sharing_a_prefix_match_transformers(
     caching = core_of(llm).kv_cache_manager.enable_prefix_caching
     assert (stats.prefix_cache_hits >= len(rest) * BLOCK_SIZE) == caching, stats
     assert_no_leaks(llm)
+
+
+def test_a_layer_decoder_step_cannot_run_decodes_op_by_op(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Were Phi-3 to claim the fused step for Phi-4-mini's partial rotary, the built model's check finds
+    the misfit: the plan says why and decodes run op by op, instead of the load failing."""
+    monkeypatch.setattr(Phi3ForCausalLM, "fused_decode_layer", classmethod(lambda cls, config: True))
+    llm = make_llm(write_tiny_model(tmp_path, "phi3_longrope"), dtype="float32")
+    try:
+        runner = core_of(llm).model_runner
+        assert runner.plan.stored_weights and not runner.plan.fused_decode
+        assert runner.model.native_decoder is None
+        assert any("rotates part of each" in reason for reason in runner.plan.reasons), runner.plan.reasons
+        output = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, greedy(), use_tqdm=False)[0]
+        assert len(output.outputs[0].token_ids) == NUM_TOKENS
+    finally:
+        llm.shutdown()
 
 
 def test_phi3_gguf_files_are_refused_by_name(tmp_path: Path) -> None:

@@ -112,6 +112,13 @@ def test_partial_rotary_phi_decodes_op_by_op_and_full_rotary_phi_in_one_call() -
     assert not phi3.fused_decode_layer(partial) and phi3.fused_decode_layer(whole)
 
 
+def test_a_model_whose_layers_misfit_decoder_step_decodes_op_by_op_and_says_why() -> None:
+    p = plan().without_fused_decode("decoder_step.c rotates whole heads; X rotates part of each")
+    assert p.stored_weights and p.decode_attention == "paged_attention.c" and not p.fused_decode
+    assert p.reasons[-1].endswith("rotates part of each: decodes run op by op")
+    assert "  decode-only steps: op by op" in p.describe()
+
+
 def test_quantization_without_our_kernels_is_refused() -> None:
     with pytest.raises(ValueError, match="quantization='int8' needs the CPU"):
         plan("int8", native_kernels=False)

@@ -37,8 +37,10 @@ def _weight(linear: Linear) -> native.Weight:
 
 class NativeDecoder:
     def __init__(self, model: CausalLM, plan: ExecutionPlan) -> None:
+        why = misfit(model)
+        assert why is None, why  # the plan asks misfit() before it runs decode steps here
         layers = model.decoder_layers()
-        norm = _one_norm(model, layers)
+        norm = next(m for m in model.modules() if isinstance(m, RMSNorm))
         shape = layers[0].shape
         self.model = model  # keeps the tensors behind the spec's addresses alive
         self.layers = (native.LayerSpec * len(layers))()
@@ -87,22 +89,22 @@ class NativeDecoder:
         self.kv_caches = kv_caches
 
 
-def _one_norm(model: CausalLM, layers: list[DecoderLayer]) -> RMSNorm:
-    """What decoder_step.c takes for granted of the model, checked; returns a norm, all alike."""
-    name = type(model).__name__
+def misfit(model: CausalLM) -> str | None:
+    """Why decoder_step.c cannot run this model's layers (what it takes for granted), or None."""
+    name, layers = type(model).__name__, model.decoder_layers()
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     if len({(norm.offset, norm.eps) for norm in norms}) != 1:
-        raise ValueError(f"decoder_step.c takes one norm offset and eps per model; {name} has several.")
+        return f"decoder_step.c takes one norm offset and eps per model; {name} has several"
     shapes = {dataclasses.replace(layer.shape, sliding_window=None) for layer in layers}
     if len(shapes) != 1:
-        raise ValueError(f"decoder_step.c takes layers of one shape; {name} has {len(shapes)}.")
+        return f"decoder_step.c takes layers of one shape; {name} has {len(shapes)}"
     for layer in layers:
         p = layer.parts
         if (p.q_norm is None) != (p.k_norm is None):
-            raise ValueError(f"decoder_step.c takes both q and k norms or neither; {name} has one.")
+            return f"decoder_step.c takes both q and k norms or neither; {name} has one"
         if p.rotary.rotary_dim != layer.shape.head_dim:
-            raise ValueError(f"decoder_step.c rotates whole heads; {name} rotates part of each.")
-    return norms[0]
+            return f"decoder_step.c rotates whole heads; {name} rotates part of each"
+    return None
 
 
 def _describe(spec: native.LayerSpec, layer: DecoderLayer) -> None:
