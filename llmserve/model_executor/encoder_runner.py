@@ -37,9 +37,7 @@ class EncoderModelRunner:
         self.num_threads = configure_core_threads(model_config.num_threads)
         self.config = encoder_config
         architecture = encoder_config.architecture
-        self.plan = ExecutionPlan.decide(
-            model_config, self.device, self.dtype, architecture, False, encoder=True
-        )
+        self.plan = ExecutionPlan.decide(model_config, self.device, self.dtype, architecture, encoder=True)
         for line in self.plan.describe():
             logger.info("%s", line)
         logger.info("Pooling: %s%s.", pooler.pooling_type, ", L2-normalised" if pooler.normalize else "")

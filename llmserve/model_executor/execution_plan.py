@@ -15,10 +15,10 @@ the plan. The rules, each with the reason it exists:
 - Sampling's argmax (every greedy token) reads the logits with vectors in C (`argmax.c`) on the CPU
   wherever the library built: PyTorch's compares one value at a time, 12 ms a step for 64 rows of a
   262,144-token vocabulary. Same indices, ties and NaNs included.
-- A decode-only step runs every layer in one C call (`decoder_step.c`) when the architecture's layer
-  is the one that kernel computes and every projection keeps a stored weight. The built model is
-  checked too (`native_decoder.misfit`: one norm, layers of one shape, whole-head RoPE): a layer it
-  cannot run decodes op by op, with the reason in the log, rather than failing the load.
+- A decode-only step runs every layer in one C call (`decoder_step.c`) when every projection keeps a
+  stored weight and the built model's layers are ones that kernel computes (`native_decoder.misfit`:
+  one norm, layers of one shape, q/k norms in pairs, whole-head RoPE); a model it cannot run decodes
+  op by op, with the reason in the log, rather than failing the load.
 - An encoder (BERT) multiplies whole prompts, hundreds of rows at once, and never decodes: its weights
   are dense, through oneDNN's pre-packed product on the CPU in fp32.
 """
@@ -66,11 +66,10 @@ class ExecutionPlan:
         device: torch.device,
         dtype: torch.dtype,
         architecture: str,
-        fused_decode_layer: bool,
         encoder: bool = False,
     ) -> ExecutionPlan:
-        """`fused_decode_layer`: the architecture's layer is the one `decoder_step.c` computes;
-        `encoder`: the architecture is an encoder (dense weights, no decode)."""
+        """`encoder`: the architecture is an encoder (dense weights, no decode). Whether decoder_step.c
+        can run the built model's layers is asked once they exist (`without_fused_decode`)."""
         reasons: list[str] = []
         library = native.load_library() is not None if model_config.native_kernels else False
         if not model_config.native_kernels:
@@ -90,9 +89,6 @@ class ExecutionPlan:
         if quantization != "none" and encoder:
             raise ValueError(f"quantization={quantization!r} is for decoders; {architecture} is an encoder.")
         int8_activations = quantization in ("gguf", "int8", "int4")
-        fused = native_path and fused_decode_layer and not encoder
-        if native_path and not fused_decode_layer and not encoder:
-            reasons.append(f"{architecture}: no fused decode step for this layer; decodes run op by op")
         return cls(
             device=device,
             dtype=dtype,
@@ -103,7 +99,7 @@ class ExecutionPlan:
             int8_gemm=int8_activations and native_path and native.int8_gemm_available(),
             decode_attention="paged_attention.c" if native_path and not encoder else "torch",
             argmax="argmax.c" if library and device.type == "cpu" and not encoder else "torch",
-            fused_decode=fused,
+            fused_decode=native_path and not encoder,
             reasons=tuple(reasons),
             encoder=encoder,
         )

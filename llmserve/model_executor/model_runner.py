@@ -58,13 +58,7 @@ class ModelRunner:
         self.num_threads = configure_core_threads(model_config.num_threads)
         self.config = decoder_config
         model_cls = model_class(decoder_config.architecture)
-        self.plan = ExecutionPlan.decide(
-            model_config,
-            self.device,
-            self.dtype,
-            decoder_config.architecture,
-            model_cls.fused_decode_layer(decoder_config),
-        )
+        self.plan = ExecutionPlan.decide(model_config, self.device, self.dtype, decoder_config.architecture)
         torch.manual_seed(model_config.seed)
         with torch.device("meta"):
             model = model_cls(decoder_config, stored=self.plan.stored_weights)

@@ -113,12 +113,8 @@ def real_stored_tensor(model: str, name: str, qtype: Q, rows: int = 37) -> Store
     return StoredTensor(int(qtype), torch.from_numpy(raw), info.shape[1])
 
 
-def cpu_plan(
-    quantization: str = "none", stored: bool = True, fused_decode_layer: bool = True
-) -> ExecutionPlan:
+def cpu_plan(quantization: str = "none", stored: bool = True) -> ExecutionPlan:
     """The plan the model runner makes on this CPU in fp32: stored weights through our kernels, or with
     `stored=False` dense ones (as without the C kernels)."""
     config = ModelConfig(quantization=quantization, native_kernels=stored)  # type: ignore[arg-type]
-    return ExecutionPlan.decide(
-        config, torch.device("cpu"), torch.float32, "LlamaForCausalLM", fused_decode_layer
-    )
+    return ExecutionPlan.decide(config, torch.device("cpu"), torch.float32, "LlamaForCausalLM")

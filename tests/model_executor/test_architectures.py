@@ -21,7 +21,6 @@ from gguf import GGUFWriter
 
 from llmserve import LLM, RequestOutput, SamplingParams
 from llmserve.engine.input_processor import TokensPrompt
-from llmserve.model_executor.models.phi3 import Phi3ForCausalLM
 from llmserve.scheduling.scheduler import ModelRunnerOutput, SchedulerOutput
 from tests.e2e.greedy_reference import Reference, assert_matches_hf, assert_top_logprobs_match, hf_greedy
 from tests.engine.test_llm_batching import assert_no_leaks, core_of, count_native_steps, make_llm
@@ -154,12 +153,9 @@ def test_prompts_sharing_a_prefix_match_transformers(
     assert_no_leaks(llm)
 
 
-def test_a_layer_decoder_step_cannot_run_decodes_op_by_op(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Were Phi-3 to claim the fused step for Phi-4-mini's partial rotary, the built model's check finds
+def test_a_layer_decoder_step_cannot_run_decodes_op_by_op(tmp_path: Path) -> None:
+    """decoder_step.c rotates whole heads; Phi-4-mini rotates 3/4 of each. The built model's check finds
     the misfit: the plan says why and decodes run op by op, instead of the load failing."""
-    monkeypatch.setattr(Phi3ForCausalLM, "fused_decode_layer", classmethod(lambda cls, config: True))
     llm = make_llm(write_tiny_model(tmp_path, "phi3_longrope"), dtype="float32")
     try:
         runner = core_of(llm).model_runner

@@ -9,7 +9,6 @@ from llmserve.config import ModelConfig
 from llmserve.model_executor.execution_plan import ExecutionPlan, StoredProduct
 from llmserve.model_executor.kernels import native
 from llmserve.model_executor.models.registry import model_class, supported_architectures
-from tests.fixtures.tiny_models import phi3_config, phi3_longrope_config
 
 CPU, FP32 = torch.device("cpu"), torch.float32
 
@@ -19,10 +18,9 @@ def plan(
     native_kernels: bool = True,
     device: torch.device = CPU,
     dtype: torch.dtype = FP32,
-    fused_decode_layer: bool = True,
 ) -> ExecutionPlan:
     config = ModelConfig(quantization=quantization, native_kernels=native_kernels)  # type: ignore[arg-type]
-    return ExecutionPlan.decide(config, device, dtype, "LlamaForCausalLM", fused_decode_layer)
+    return ExecutionPlan.decide(config, device, dtype, "LlamaForCausalLM")
 
 
 def test_cpu_fp32_with_the_library_keeps_stored_weights_and_runs_our_kernels() -> None:
@@ -67,12 +65,6 @@ def test_bf16_compute_takes_pytorch_everywhere() -> None:
     assert any("bfloat16" in reason for reason in p.reasons)
 
 
-def test_an_architecture_without_the_fused_layer_decodes_op_by_op_with_stored_weights() -> None:
-    p = plan(fused_decode_layer=False)
-    assert p.stored_weights and p.decode_attention == "paged_attention.c" and not p.fused_decode
-    assert any("op by op" in reason for reason in p.reasons)
-
-
 def test_sampling_argmax_takes_the_c_kernel_on_the_cpu_with_the_library() -> None:
     assert plan().argmax == "argmax.c" and plan(dtype=torch.bfloat16).argmax == "argmax.c"
     assert plan(native_kernels=False).argmax == "torch"
@@ -96,20 +88,12 @@ def test_a_library_that_did_not_build_leaves_pytorch_and_says_why(monkeypatch: p
 
 def test_an_encoder_holds_dense_weights_through_onednn_and_never_decodes() -> None:
     config = ModelConfig()
-    p = ExecutionPlan.decide(config, CPU, FP32, "BertModel", fused_decode_layer=False, encoder=True)
+    p = ExecutionPlan.decide(config, CPU, FP32, "BertModel", encoder=True)
     assert p.encoder and not p.stored_weights and not p.fused_decode
     assert p.decode_attention == "torch" and p.dense_product() == "onednn"
     assert "no KV cache" in " ".join(p.describe())
     with pytest.raises(ValueError, match="BertModel is an encoder"):
-        ExecutionPlan.decide(ModelConfig(quantization="gguf"), CPU, FP32, "BertModel", False, encoder=True)
-
-
-def test_partial_rotary_phi_decodes_op_by_op_and_full_rotary_phi_in_one_call() -> None:
-    phi3 = model_class("Phi3ForCausalLM")
-    architecture = {"architectures": ["Phi3ForCausalLM"]}
-    partial = phi3.config_class.from_hf_dict({**phi3_longrope_config().to_dict(), **architecture})
-    whole = phi3.config_class.from_hf_dict({**phi3_config().to_dict(), **architecture})
-    assert not phi3.fused_decode_layer(partial) and phi3.fused_decode_layer(whole)
+        ExecutionPlan.decide(ModelConfig(quantization="gguf"), CPU, FP32, "BertModel", encoder=True)
 
 
 def test_a_model_whose_layers_misfit_decoder_step_decodes_op_by_op_and_says_why() -> None:

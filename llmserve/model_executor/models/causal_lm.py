@@ -75,12 +75,6 @@ class CausalLM(nn.Module):
         self.native_decoder: NativeDecoder | None = None  # decode steps in C, when the plan says so
 
     @classmethod
-    def fused_decode_layer(cls, config: DecoderConfig) -> bool:
-        """Whether every part of the layers is one kernels/decoder_step.c computes, so that the plan may
-        run decode steps there."""
-        return True
-
-    @classmethod
     def gguf_tensor(cls, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A dense GGUF tensor in the form the Hugging Face checkpoint holds it (llama.cpp's converters
         change some, e.g. Gemma's norms)."""

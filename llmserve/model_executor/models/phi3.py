@@ -59,11 +59,6 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     config_class = Phi3Config
     fused_shards = {}  # the checkpoint's qkv_proj and gate_up_proj are ours as they are
 
-    @classmethod
-    def fused_decode_layer(cls, config: DecoderConfig) -> bool:
-        """decoder_step.c rotates whole heads; Phi-4-mini rotates 3/4 of each, so it decodes op by op."""
-        return isinstance(config, Phi3Config) and config.rotary_dim == config.head_dim
-
     def make_rotary(self, config: DecoderConfig) -> RotaryEmbedding:
         assert isinstance(config, Phi3Config)
         return RotaryEmbedding(
