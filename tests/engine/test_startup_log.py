@@ -64,9 +64,10 @@ def test_start_up_logs_weights_kv_pool_concurrency_and_kernel_build(
         f"Maximum concurrency for {MAX_MODEL_LEN} tokens per request: {tokens / MAX_MODEL_LEN:.2f}x"
     )
     plan = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("Execution plan", "  "))]
-    assert plan[:4] == [
+    assert plan[:5] == [
         "Execution plan (cpu, float32):",
         "  projections: stored weights in the checkpoint's format, weight_gemm.c at every batch size",
         "  decode attention: paged_attention.c; prefill attention: torch SDPA; sampling's argmax: argmax.c",
         "  decode-only steps: every layer in one decoder_step.c call",
+        "  other steps' MLP act(gate) * up: gated_activation.c",
     ]

@@ -71,6 +71,15 @@ def test_sampling_argmax_takes_the_c_kernel_on_the_cpu_with_the_library() -> Non
     assert plan(device=torch.device("cuda"), dtype=torch.bfloat16).argmax == "torch"
 
 
+def test_the_mlp_activation_takes_the_decode_steps_c_code_wherever_decodes_read_the_cache_in_c() -> None:
+    assert plan().gated_activation == "gated_activation.c" == plan("gguf").gated_activation
+    assert plan(dtype=torch.bfloat16).gated_activation == "torch"
+    assert plan(native_kernels=False).gated_activation == "torch"
+    assert plan(device=torch.device("cuda"), dtype=torch.bfloat16).gated_activation == "torch"
+    encoder = ExecutionPlan.decide(ModelConfig(), CPU, FP32, "BertModel", encoder=True)
+    assert encoder.gated_activation == "torch"
+
+
 def test_a_gpu_holds_dense_weights_for_pytorch_everywhere() -> None:
     p = plan(device=torch.device("cuda"), dtype=torch.bfloat16)
     assert not p.stored_weights and not p.fused_decode and p.decode_attention == "torch"

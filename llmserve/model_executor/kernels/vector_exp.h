@@ -1,4 +1,4 @@
-/* e^x on vectors of floats, for the softmax (paged_attention.c) and the MLP's gate (decoder_step.c):
+/* e^x on vectors of floats, for the softmax (paged_attention.c) and the MLP's gate (gated_activation.h):
  * Cephes' range reduction to x = n ln 2 + r, |r| <= ln 2 / 2, and its degree-5 polynomial, within 2 ulp
  * of expf for x in [-87.3, 88], and clamped there: below (NaN included) it returns e^-87.3, above e^88. The
  * AVX-512 version computes the same operations in the same order, so each lane's result is the same. */

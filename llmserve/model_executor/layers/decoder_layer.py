@@ -12,6 +12,7 @@ is defined once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -20,14 +21,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model_executor.attention import AttentionMetadata, paged_attention
+from llmserve.model_executor.kernels import native
 from llmserve.model_executor.layers.linear import Linear
 from llmserve.model_executor.layers.rotary_embedding import RopeAngles, RotaryEmbedding, apply_rope
 
 if TYPE_CHECKING:
+    from llmserve.model_executor.execution_plan import ExecutionPlan
     from llmserve.model_executor.models.decoder_config import DecoderConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [kv_heads, num_blocks, block_size, head_dim]
 Activation = Literal["silu", "gelu_tanh"]
+# gate_up [rows, 2 * inter] (each row's gate, then its up) → act(gate) * up [rows, inter]
+GatedActivation = Callable[[torch.Tensor, Activation], torch.Tensor]
+
+
+def torch_gated_activation(gate_up: torch.Tensor, activation: Activation) -> torch.Tensor:
+    """act(gate) * up in PyTorch, for where the plan has no C kernels (GPUs, bf16)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    return act.mul_(up)
 
 
 @dataclass
@@ -78,6 +90,12 @@ class DecoderLayer(nn.Module):
 
     parts: LayerParts
     shape: LayerShape
+    gated_activation: GatedActivation  # the plan's (prepare)
+
+    def prepare(self, plan: ExecutionPlan) -> None:
+        """The kernels the plan gives the layer's own ops (its projections prepare themselves)."""
+        c_kernel = plan.gated_activation == "gated_activation.c"
+        self.gated_activation = native.gated_activation if c_kernel else torch_gated_activation
 
     def forward(
         self, rope: RopeAngles, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -96,7 +114,5 @@ class DecoderLayer(nn.Module):
         # In place on the new tensors a product or a norm returned: a prefill step's [tokens, width]
         # temporaries are megabytes each, and every one allocated is written and faulted in again.
         x = (out if p.attn_out_norm is None else p.attn_out_norm(out)).add_(x)
-        gate, up = p.gate_up(p.mlp_norm(x)).split(s.intermediate_size, dim=-1)
-        act = F.silu(gate) if s.activation == "silu" else F.gelu(gate, approximate="tanh")
-        out = p.down(act.mul_(up))
+        out = p.down(self.gated_activation(p.gate_up(p.mlp_norm(x)), s.activation))
         return (out if p.mlp_out_norm is None else p.mlp_out_norm(out)).add_(x)

@@ -137,8 +137,8 @@ class CausalLM(nn.Module):
         return [m for m in self.modules() if isinstance(m, Linear)]
 
     def prepare_kernels(self, plan: ExecutionPlan) -> None:
-        """Every projection's kernel from the plan, the output one included; stored weights are first
-        rounded as the plan's quantization asks (see `quantization.py`)."""
+        """Every projection's kernel from the plan, the output one included, and the layers' own; stored
+        weights are first rounded as the plan's quantization asks (see `quantization.py`)."""
         for name, linear in self.named_modules():
             if not isinstance(linear, Linear):
                 continue
@@ -146,6 +146,8 @@ class CausalLM(nn.Module):
                 parts = [p for p in linear.parts if p is not None]
                 linear.parts = list(requantize(parts, plan.quantization, name))
             linear.prepare(plan)
+        for layer in self.decoder_layers():
+            layer.prepare(plan)
         if self.lm_head is not None:
             self.logits_kernel = self.lm_head.kernel
         elif isinstance(self.embed_tokens, StoredEmbedding):

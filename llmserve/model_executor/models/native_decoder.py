@@ -27,8 +27,6 @@ from llmserve.model_executor.layers.linear import Linear, StoredKernel
 if TYPE_CHECKING:
     from llmserve.model_executor.models.causal_lm import CausalLM
 
-_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
-
 
 def _weight(linear: Linear) -> native.Weight:
     assert isinstance(linear.kernel, StoredKernel)
@@ -55,7 +53,7 @@ class NativeDecoder:
             intermediate=shape.intermediate_size,
             int8_activations=plan.int8_activations,
             block_rows=plan.block_rows,
-            activation=_ACTIVATIONS[shape.activation],
+            activation=native.ACTIVATIONS[shape.activation],
             eps=norm.eps,
             scale=shape.scale,
             norm_offset=norm.offset,
