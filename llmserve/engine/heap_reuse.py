@@ -1,12 +1,12 @@
 """The engine core's heap keeps what a step frees for the next step, instead of handing it back.
 
 A prefill step allocates megabytes of temporaries ([tokens, width] activations) and frees them. glibc
-maps the larger ones afresh (mmap) and trims the heap's free top back to the kernel, so the next step
-faults the same memory in again, page by page: 9% of a SmolLM2 run of 64 prompts of 32-512 tokens on a
-Zen 5 core (194 against 178 tok/s, the same run alternating, with the equivalent MALLOC_*_ variables).
-After start-up (whose temporaries are gone by then), blocks up to 32 MiB, the most glibc allows, come from
-the heap, and up to 1 GiB of freed heap stays resident, reused at once. Resident memory then stays at
-the largest step's, flat under load (`benchmarks/soak.py`).
+maps some afresh (mmap) and trims the heap's free top back to the kernel once it passes twice its mmap
+threshold (64 MiB at most), so the next step faults the same memory in again, page by page: 9% of a
+SmolLM2 run of 64 prompts of 32-512 tokens on a Zen 5 core (194 against 178 tok/s, alternating, with
+the equivalent MALLOC_*_ variables). After start-up (whose temporaries are gone by then), blocks of up
+to 32 MiB, the most glibc allows, come from the heap, and up to 1 GiB of freed heap stays resident,
+reused at once. Resident memory then stays at the largest step's, flat under load (`benchmarks/soak.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def keep_freed_heap() -> bool:
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
         return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     kept = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
     kept = kept and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     if kept:

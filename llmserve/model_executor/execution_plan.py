@@ -154,7 +154,7 @@ class ExecutionPlan:
                 f" sampling's argmax: {self.argmax}",
                 "  decode-only steps: "
                 + ("every layer in one decoder_step.c call" if self.fused_decode else "op by op"),
-                f"  other steps' MLP act(gate) * up: {self.gated_activation}",
+                f"  MLP act(gate) * up outside decoder_step.c: {self.gated_activation}",
             ]
         lines += [f"  because: {reason}" for reason in self.reasons]
         return lines

@@ -14,8 +14,7 @@
  * has AVX-512 VNNI (int8_gemm.c), else they round their activations the same way before weight_gemm.c.
  *
  * It computes what the PyTorch path computes (same weights, same fp32 arithmetic, rotate-half RoPE from
- * the same tables), only summing in another order and rounding the gate's activation otherwise (within
- * ~1e-6 of PyTorch's: a vector e^x).
+ * the same tables, the gate's activation of gated_activation.h), only summing in another order.
  */
 #include <math.h>
 #include <omp.h>

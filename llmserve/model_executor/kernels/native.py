@@ -16,6 +16,7 @@ bounds, raising ValueError: a wrong tensor would otherwise be read as raw memory
 - `block_q8.c`: a few rows rounded to int8 times GGUF blocks, as integers (`--quantization gguf|int8|int4`).
 - `int8_gemm.c`: the same for many rows, with AVX-512 VNNI.
 - `decoder_step.c`: a decode step through every decoder layer, from those.
+- `gated_activation.c`: the MLP's act(gate) * up of decoder_step.c, for the other steps.
 - `argmax.c`: each row's argmax, as torch.argmax gives it, for sampling.
 """
 
@@ -246,7 +247,7 @@ def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     rows, width = gate_up.shape
     if width % 2:
         raise ValueError(f"gated_activation takes rows of a gate and an up of one width, got {width} values.")
-    out = torch.empty(rows, width // 2)
+    out = torch.empty(rows, width // 2, dtype=torch.float32)
     _library().gated_activation(
         gate_up.data_ptr(), rows, width // 2, ACTIVATIONS[activation], out.data_ptr(), torch.get_num_threads()
     )

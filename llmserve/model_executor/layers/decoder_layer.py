@@ -86,11 +86,11 @@ class LayerShape:
 
 
 class DecoderLayer(nn.Module):
-    """Subclasses build their modules, then set `parts` and `shape`."""
+    """Subclasses build their modules, then set `parts` and `shape`; `prepare` takes the plan's kernels."""
 
     parts: LayerParts
     shape: LayerShape
-    gated_activation: GatedActivation  # the plan's (prepare)
+    gated_activation: GatedActivation = staticmethod(torch_gated_activation)  # until `prepare`
 
     def prepare(self, plan: ExecutionPlan) -> None:
         """The kernels the plan gives the layer's own ops (its projections prepare themselves)."""

@@ -36,7 +36,8 @@ def _weight(linear: Linear) -> native.Weight:
 class NativeDecoder:
     def __init__(self, model: CausalLM, plan: ExecutionPlan) -> None:
         why = misfit(model)
-        assert why is None, why  # the plan asks misfit() before it runs decode steps here
+        if why is not None:  # the runner asks misfit() first and plans op-by-op decodes instead
+            raise ValueError(f"{why}: plan.without_fused_decode() before building a NativeDecoder.")
         layers = model.decoder_layers()
         norm = next(m for m in model.modules() if isinstance(m, RMSNorm))
         shape = layers[0].shape
