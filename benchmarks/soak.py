@@ -1,8 +1,9 @@
 """Soak: resident memory, the queue and the KV cache under a long, mixed load, in one of two modes.
 
 By count (the default): --num-requests requests (2,000) of mixed shapes, --concurrency at a time; the
-server's processes' resident memory is sampled after the first 100 and every --sample-every after,
-and the run passes when the last sample is within --tolerance (10%) of the first. A server that leaks
+server's processes' resident memory is sampled after the first 100 (the KV pool faulted in before the
+first) and every --sample-every after, and the run passes when the last sample is within --tolerance
+(10%) of the first. A server that leaks
 per request (a request's blocks, its detokenizer, its collector, a dropped stream's state) grows with
 every one of them.
 
@@ -82,6 +83,21 @@ async def soak(args: argparse.Namespace, base_url: str, server_pid: int) -> tupl
     return samples, errors
 
 
+def settled_rss(server_pid: int, timeout_s: float = 120.0) -> int:
+    """The server's resident memory once it stops growing while idle: the KV pool is faulted in by a
+    low-priority thread after start-up (model_executor/host_memory.py), seconds on an idle machine but
+    minutes under a load that starts at once on 2 cores, which would read as growth under load."""
+    deadline = time.monotonic() + timeout_s
+    last = sum(process_rss(server_pid).values())
+    while time.monotonic() < deadline:
+        time.sleep(2.0)
+        now = sum(process_rss(server_pid).values())
+        if now - last < 0.005 * last:
+            return now
+        last = now
+    return last
+
+
 def idle_metrics(base_url: str, wait_s: float = 10.0) -> dict[str, float]:
     """The server's running, waiting and KV-usage gauges once they read zero, or as they stand after
     wait_s."""
@@ -144,6 +160,8 @@ def run_for_count(args: argparse.Namespace, command: list[str], port: int, forei
     start = time.perf_counter()
     with running("llmserve", command, port) as url:
         pid = next(p.pid for p in psutil.Process().children() if str(port) in p.cmdline())
+        settled = settled_rss(pid)
+        print(f"resident {settled / 2**20:.1f} MiB once settled, before the first request", flush=True)
         samples, errors = asyncio.run(soak(args, url, pid))
         gauges = idle_metrics(url)
     duration = time.perf_counter() - start

@@ -15,7 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.soak import WARMUP_REQUESTS, Sample, draw_shape, failures, memory_growth, parse_args
+import benchmarks.soak
+from benchmarks.soak import (
+    WARMUP_REQUESTS,
+    Sample,
+    draw_shape,
+    failures,
+    memory_growth,
+    parse_args,
+    settled_rss,
+)
 from benchmarks.soak_duration import Tally, Tick, baseline_tick, duration_failures, peak_tick
 from benchmarks.soak_mix import LONG_PROMPT_SLACK, parse_gauges, process_rss
 from tests.entrypoints.remote_server import THREAD_ENV
@@ -58,6 +67,13 @@ def test_growth_beyond_ten_percent_fails_and_within_passes(monkeypatch: pytest.M
     assert failures(0.0, tolerance, ["HTTP 500"], idle) == ["unexpected answers: 1"]
     left = {"num_requests_running": 1.0, "num_requests_waiting": 0.0}
     assert len(failures(0.0, tolerance, [], left)) == 1
+
+
+def test_the_first_sample_waits_for_the_kv_pool_to_be_faulted_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    readings = iter([100, 900, 2000, 3000, 3010, 3011])  # MiB: the pool coming in, then settled
+    monkeypatch.setattr(benchmarks.soak, "process_rss", lambda pid: {"core": next(readings)})
+    monkeypatch.setattr(benchmarks.soak.time, "sleep", lambda s: None)
+    assert settled_rss(1) == 3010
 
 
 def test_long_prompts_fill_the_context_up_to_max_tokens() -> None:
