@@ -3,9 +3,8 @@
 By count (the default): --num-requests requests (2,000) of mixed shapes, --concurrency at a time; the
 server's processes' resident memory is sampled after the first 100 (the KV pool faulted in before the
 first) and every --sample-every after, and the run passes when the last sample is within --tolerance
-(10%) of the first. A server that leaks
-per request (a request's blocks, its detokenizer, its collector, a dropped stream's state) grows with
-every one of them.
+(10%) of the first. A server that leaks per request (a request's blocks, its detokenizer, its
+collector, a dropped stream's state) grows with every one of them.
 
 By time (--duration SECONDS): an open-loop load at --overload (2) times the capacity a short probe
 measures first (or at --rate requests/s), so the queue builds; see benchmarks/soak_duration.py.
