@@ -33,17 +33,24 @@ INLINE Chunk chunk_scales(int qtype, const uint8_t *row, int64_t s, const KScale
     }
 }
 
+/* The start of the group of 8 chunks that chunk s of a row lies in (a K type's super-block): where
+ * chunk_values reads chunk s % 8 of it from. */
+INLINE const uint8_t *chunk_group(int qtype, const uint8_t *row, int64_t s)
+{
+    return row + (is_k_type(qtype) ? block_bytes(qtype) * (s / 8) : bytes32(qtype) * (s - s % 8));
+}
+
 #ifdef USE_AVX2
-/* The chunk's 32 values v as bytes. */
-INLINE __m256i chunk_values(int qtype, const uint8_t *row, int64_t s)
+/* Chunk i of a group's 32 values v as bytes. */
+INLINE __m256i chunk_values(int qtype, const uint8_t *group, int i)
 {
     const __m128i low4 = _mm_set1_epi8(0x0f);
     const __m256i low4x2 = _mm256_set1_epi8(0x0f);
     if (qtype == Q8_0)
-        return _mm256_loadu_si256((const __m256i *)(row + bytes32(Q8_0) * s + 2));
+        return _mm256_loadu_si256((const __m256i *)(group + bytes32(Q8_0) * i + 2));
     if (!is_k_type(qtype)) {
         const int with_min = qtype == Q4_1 || qtype == Q5_1, with_high = qtype == Q5_0 || qtype == Q5_1;
-        const uint8_t *block = row + bytes32(qtype) * s, *qs = block + 2 + 2 * with_min + 4 * with_high;
+        const uint8_t *block = group + bytes32(qtype) * i, *qs = block + 2 + 2 * with_min + 4 * with_high;
         const __m128i bytes = _mm_loadu_si128((const __m128i *)qs);
         __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
         if (with_high) {
@@ -54,8 +61,7 @@ INLINE __m256i chunk_values(int qtype, const uint8_t *row, int64_t s)
         }
         return _mm256_set_m128i(hi, lo);
     }
-    const uint8_t *block = row + block_bytes(qtype) * (s / 8);
-    const int i = (int)(s % 8);
+    const uint8_t *block = group;
     if (qtype == Q6_K) {
         const int h = i / 4, t = i % 4;
         const __m256i low = _mm256_loadu_si256((const __m256i *)(block + 64 * h + 32 * (t % 2)));
@@ -76,11 +82,11 @@ INLINE __m256i chunk_values(int qtype, const uint8_t *row, int64_t s)
 }
 
 #else
-/* The chunk's 32 values v. */
-INLINE void chunk_values(int qtype, const uint8_t *row, int64_t s, int8_t v[32])
+/* Chunk i of a group's 32 values v. */
+INLINE void chunk_values(int qtype, const uint8_t *group, int i, int8_t v[32])
 {
     if (!is_k_type(qtype)) {
-        const uint8_t *block = row + bytes32(qtype) * s;
+        const uint8_t *block = group + bytes32(qtype) * i;
         if (qtype == Q8_0) {
             memcpy(v, block + 2, 32);
             return;
@@ -94,8 +100,7 @@ INLINE void chunk_values(int qtype, const uint8_t *row, int64_t s, int8_t v[32])
             v[j] = (int8_t)(((qs[j % 16] >> (j < 16 ? 0 : 4)) & 0x0f) | (((qh >> j) & 1) << 4));
         return;
     }
-    const uint8_t *block = row + block_bytes(qtype) * (s / 8);
-    const int i = (int)(s % 8);
+    const uint8_t *block = group;
     for (int j = 0; j < 32; j++) {
         if (qtype == Q6_K) {
             const int h = i / 4, t = i % 4;

@@ -120,8 +120,8 @@ static void project(const Weight *p, const Step *t, int64_t out, float *y, int a
         return;
     }
     const BlockInput *x = &t->input;
-    const int64_t rows = x->rows;
-#pragma omp for schedule(static)
+    const int64_t rows = x->rows, chunk = share_rows(p, x->in, 1);
+#pragma omp for schedule(guided, chunk)
     for (int64_t o = 0; o < out; o++) {
         float acc[BLOCK_GEMV_MAX_ROWS];
         int qtype;
@@ -147,8 +147,8 @@ static void gate_up_act(const Weight *p, const Step *t, int64_t inter, int64_t a
         return;
     }
     const BlockInput *x = &t->input;
-    const int64_t rows = x->rows;
-#pragma omp for schedule(static)
+    const int64_t rows = x->rows, chunk = share_rows(p, x->in, 2);
+#pragma omp for schedule(guided, chunk)
     for (int64_t o = 0; o < inter; o++) {
         float gate[BLOCK_GEMV_MAX_ROWS], up[BLOCK_GEMV_MAX_ROWS], act[BLOCK_GEMV_MAX_ROWS];
         int gate_type, up_type;

@@ -60,7 +60,7 @@ INLINE void pack_row(int qtype, const uint8_t *row, int64_t chunks, int j, Panel
         if (is_k_type(qtype) && s % 8 == 0)
             k_scales(qtype, row + block_bytes(qtype) * (s / 8), &k);
         const Chunk c = chunk_scales(qtype, row, s, &k);
-        __m256i v = chunk_values(qtype, row, s);
+        __m256i v = chunk_values(qtype, chunk_group(qtype, row, s), (int)(s % 8));
         if (centre)
             v = _mm256_sub_epi8(v, _mm256_set1_epi8((char)centre));
         _mm256_storeu_si256((__m256i *)(p->rows + j * (chunks * QK) + s * QK), v);
