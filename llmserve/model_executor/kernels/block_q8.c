@@ -165,7 +165,7 @@ INLINE void group_scales(int qtype, const uint8_t *row, int64_t s, int n, __m256
     if (is_k_type(qtype)) {
         KScales k;
         k_scales(qtype, row + block_bytes(qtype) * (s / 8), &k);
-        *w8 = _mm256_loadu_ps(k.d); /* stored by scale8 as one vector */
+        *w8 = _mm256_loadu_ps(k.d); /* stored as one vector */
         *offsets = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_loadu_ps(k.m));
         return;
     }
