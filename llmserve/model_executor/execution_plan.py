@@ -10,14 +10,15 @@ the plan. The rules, each with the reason it exists:
   multiplies the blocks as integers (`block_q8.c`); more rows too where the CPU has AVX-512 VNNI
   (`int8_gemm.c`), else they round their activations the same way and take `weight_gemm.c`. Every
   batch size multiplies the same values.
-- Decode attention reads the paged cache in place in C (`paged_attention.c`) wherever the library
-  built and computes in fp32; else PyTorch gathers the blocks.
+- Decode attention reads the paged cache in place in C (`paged_attention.c`) on the CPU wherever the
+  library built and the cache is fp32 or bf16 (widened exactly; it computes in fp32); else PyTorch
+  gathers the blocks, which took 45% of a bf16 SmolLM2 run.
 - Sampling's argmax (every greedy token) reads the logits with vectors in C (`argmax.c`) on the CPU
   wherever the library built: PyTorch's compares one value at a time, 12 ms a step for 64 rows of a
   262,144-token vocabulary. Same indices, ties and NaNs included.
-- The MLP's act(gate) * up runs in C (`gated_activation.c`, the code decoder_step.c runs) wherever decodes
-  read the cache in C, so that prefill and decode round the activation alike; one pass over the rows, 2x
-  PyTorch's silu and mul through a strided view on [512, 3072].
+- The MLP's act(gate) * up runs in C (`gated_activation.c`, the code decoder_step.c runs) wherever fp32
+  decodes read the cache in C, so that prefill and decode round the activation alike; one pass over the
+  rows, 2x PyTorch's silu and mul through a strided view on [512, 3072].
 - A decode-only step runs every layer in one C call (`decoder_step.c`) when every projection keeps a
   stored weight and the built model's layers are ones that kernel computes (`native_decoder.misfit`:
   one norm, layers of one shape, q/k norms in pairs, whole-head RoPE); a model it cannot run decodes
@@ -82,7 +83,9 @@ class ExecutionPlan:
             reasons.append("C kernels unavailable (no compiler, or the build failed)")
         if device.type != "cpu":
             reasons.append(f"device {device.type}: PyTorch kernels")
-        if dtype != torch.float32:
+        if dtype == torch.bfloat16:
+            reasons.append("dtype bfloat16: PyTorch kernels but decode attention (ours compute fp32)")
+        elif dtype != torch.float32:
             reasons.append(f"dtype {str(dtype).removeprefix('torch.')}: PyTorch kernels (ours compute fp32)")
         native_path = library and device.type == "cpu" and dtype == torch.float32
         quantization = model_config.quantization
@@ -94,6 +97,10 @@ class ExecutionPlan:
             raise ValueError(f"quantization={quantization!r} is for decoders; {architecture} is an encoder.")
         int8_activations = quantization in ("gguf", "int8", "int4")
         decoder_kernels = native_path and not encoder  # our C decode attention, activation and step
+        # the decode attention also reads bf16 caches (widened exactly, computed in fp32)
+        c_attention = (
+            library and device.type == "cpu" and not encoder and dtype in (torch.float32, torch.bfloat16)
+        )
         return cls(
             device=device,
             dtype=dtype,
@@ -102,7 +109,7 @@ class ExecutionPlan:
             int8_activations=int8_activations,
             block_rows=native.BLOCK_GEMV_MAX_ROWS if int8_activations else 0,
             int8_gemm=int8_activations and native_path and native.int8_gemm_available(),
-            decode_attention="paged_attention.c" if decoder_kernels else "torch",
+            decode_attention="paged_attention.c" if c_attention else "torch",
             argmax="argmax.c" if library and device.type == "cpu" and not encoder else "torch",
             gated_activation="gated_activation.c" if decoder_kernels else "torch",
             fused_decode=decoder_kernels,

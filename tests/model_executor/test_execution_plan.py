@@ -59,10 +59,12 @@ def test_without_our_kernels_weights_are_dense_through_onednn_and_torch_attentio
     assert any("native_kernels=False" in reason for reason in p.reasons)
 
 
-def test_bf16_compute_takes_pytorch_everywhere() -> None:
+def test_bf16_compute_takes_pytorch_but_for_the_decode_attention() -> None:
     p = plan(dtype=torch.bfloat16)
-    assert not p.stored_weights and p.decode_attention == "torch" and p.dense_product() == "torch"
+    assert not p.stored_weights and not p.fused_decode and p.dense_product() == "torch"
+    assert p.decode_attention == "paged_attention.c" and p.gated_activation == "torch"
     assert any("bfloat16" in reason for reason in p.reasons)
+    assert plan(dtype=torch.float16).decode_attention == "torch"
 
 
 def test_sampling_argmax_takes_the_c_kernel_on_the_cpu_with_the_library() -> None:

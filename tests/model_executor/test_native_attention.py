@@ -119,6 +119,56 @@ def test_native_decode_equals_fp64_attention(isa: str, head_dim: int, block_size
     torch.testing.assert_close(actual.double(), torch.stack(expected), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("head_dim", "block_size", "group"), DECODE_CASES[::2])
+def test_native_decode_reads_bf16_caches_as_their_fp32_values(
+    isa: str, head_dim: int, block_size: int, group: int
+) -> None:
+    """`--dtype bfloat16`: a bf16 cache widens exactly and is computed with in fp32, so the output is the
+    fp32 kernel's on the widened values, rounded to bf16 once; and within that rounding of fp64."""
+    gen = torch.Generator().manual_seed(head_dim + block_size + group)
+    width = -(-140 // block_size)
+    lens = [1, 17, 45, 131, width * block_size]
+    num_blocks = len(lens) * width + 1
+    shape = (KV_HEADS, num_blocks, block_size, head_dim)
+    caches = torch.randn(shape, generator=gen).bfloat16(), torch.randn(shape, generator=gen).bfloat16()
+    tables = block_tables(lens, width, block_size, num_blocks, gen)
+    q = (torch.randn(len(lens), KV_HEADS * group, head_dim, generator=gen) * 1.5).bfloat16()
+    scale = head_dim**-0.5
+    poison_unused(caches, tables, lens, float("nan"))
+    seq_lens = torch.tensor(lens)
+
+    actual = native.paged_decode_attention(q, *caches, tables, seq_lens, scale)
+    widened = native.paged_decode_attention(q.float(), *(c.float() for c in caches), tables, seq_lens, scale)
+
+    assert actual.dtype == torch.bfloat16
+    assert torch.equal(actual, widened.bfloat16())
+    expected = torch.stack(
+        [
+            reference_attention(
+                q[row : row + 1].float(),
+                cached(caches[0], table, n).float(),
+                cached(caches[1], table, n).float(),
+                scale,
+            )[0]
+            for row, (table, n) in enumerate(zip(tables, lens))
+        ]
+    )
+    torch.testing.assert_close(actual.double(), expected, rtol=2**-8, atol=1e-6)
+
+
+def test_native_decode_refuses_a_half_cache() -> None:
+    cache = torch.zeros(KV_HEADS, 2, 16, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        native.paged_decode_attention(
+            torch.zeros(1, KV_HEADS, 64, dtype=torch.float16),
+            cache,
+            cache,
+            torch.zeros(1, 1, dtype=torch.int64),
+            torch.ones(1, dtype=torch.int64),
+            1.0,
+        )
+
+
 def slots_of(table: torch.Tensor, start: int, stop: int, block_size: int) -> torch.Tensor:
     t = torch.arange(start, stop)
     return table[t // block_size] * block_size + t % block_size

@@ -119,7 +119,9 @@ def test_attention_refuses_wrong_dtypes_and_layouts() -> None:
     native.paged_decode_attention(q, k, v, table, lens, 1.0)  # as given, it runs
     for args, match in [
         ((q, k, v, table.int(), lens), "block_tables must be a contiguous 2-D CPU torch.int64"),
-        ((q, k.double(), v, table, lens), "k_cache must be .* torch.float32"),
+        ((q, k.double(), v.double(), table, lens), "fp32 or bf16 caches, not torch.float64"),
+        ((q, k, v.bfloat16(), table, lens), "v_cache must be .* torch.float32"),
+        ((q, k.bfloat16(), v.bfloat16(), table, lens), "q must be .* torch.bfloat16"),
         ((q, k, v.transpose(1, 2), table, lens), r"contiguous: False"),
         ((q, k, v[..., :4].contiguous(), table, lens), "does not fit caches"),
         ((q.double(), k, v, table, lens), "q must be"),

@@ -101,7 +101,7 @@ def _load(isa: str) -> ctypes.CDLL | None:
         raise RuntimeError(f"The ctypes structs differ from the C ones: {'; '.join(mismatches)}.")
     logger.info("Native kernels: %s build.", isa)
     library.kernels_isa.restype = ctypes.c_char_p
-    library.paged_decode_attention.argtypes = [_PTR] * 6 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int]
+    library.paged_decode_attention.argtypes = [_PTR] * 6 + [_I64] * 9 + [ctypes.c_float, ctypes.c_int]
     library.paged_decode_attention.restype = ctypes.c_int
     library.block_gemv.argtypes = [_PTR, _I64, _I64, ctypes.POINTER(Weight), _I64, _PTR, ctypes.c_int]
     library.block_gemv.restype = ctypes.c_int
@@ -172,8 +172,8 @@ def _check_weight(weight: Weight, out_features: int) -> None:
 
 
 def paged_decode_attention(
-    q: torch.Tensor,  # [batch, heads, head_dim] fp32
-    k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim] fp32
+    q: torch.Tensor,  # [batch, heads, head_dim], the caches' dtype
+    k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim], fp32 or bf16
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [batch, max_blocks] int64
     seq_lens: torch.Tensor,  # [batch] int64, each in [1, max_blocks * block_size]
@@ -181,14 +181,19 @@ def paged_decode_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Each query attends to the last `sliding_window` keys of its sequence (all of them when None); the
-    blocks before those are never read, so their table entries need only be valid ids."""
+    blocks before those are never read, so their table entries need only be valid ids. bf16 caches and
+    queries are computed with in fp32 (a bf16 widens exactly), the output rounded to bf16 once."""
     library = _library()
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be at least 1, got {sliding_window}.")
+    dtype = k_cache.dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"paged_decode_attention reads fp32 or bf16 caches, not {dtype}.")
     q = q.contiguous()
-    _check("q", q, torch.float32, 3)
-    _check("k_cache", k_cache, torch.float32, 4)
-    _check("v_cache", v_cache, torch.float32, 4)
+    _check("q", q, dtype, 3)
+    _check("k_cache", k_cache, dtype, 4)
+    _check("v_cache", v_cache, dtype, 4)
+    q = q.float()
     batch, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_cache.shape
     if v_cache.shape != k_cache.shape or k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
@@ -212,6 +217,7 @@ def paged_decode_attention(
         block_size,
         block_tables.shape[1],
         sliding_window or 0,
+        dtype == torch.bfloat16,
         scale,
         torch.get_num_threads(),
     )
@@ -219,7 +225,7 @@ def paged_decode_attention(
         raise ValueError(f"paged_decode_attention: a length or block id out of bounds ({num_blocks} blocks).")
     if status != 0:
         raise MemoryError("paged_decode_attention could not allocate its score buffer.")
-    return out
+    return out.to(dtype)
 
 
 BLOCK_GEMV_MAX_ROWS = 16

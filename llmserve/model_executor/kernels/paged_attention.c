@@ -1,4 +1,4 @@
-/* Decode attention over the paged, head-major KV cache, fp32, for CPUs.
+/* Decode attention over the paged, head-major KV cache, fp32 or bf16 (`--dtype bfloat16`), for CPUs.
  *
  * One query token per row, of its own length (a sequence's guessed tokens are rows of their own, after
  * their keys were written). Each (row, KV head) task reads that head's cached keys and values
@@ -16,6 +16,23 @@
 
 #include "kernels.h"
 #include "vector_exp.h"
+
+/* The cache's values are fp32, or bf16 (`bf16`, a constant after inlining): a bf16's bits are the top
+ * half of the fp32 it stands for, so it widens exactly; the arithmetic is fp32 either way. */
+static inline const void *at(const void *cache, int64_t i, int bf16)
+{
+    return (const char *)cache + i * (bf16 ? 2 : 4);
+}
+
+static inline float value_at(const void *cache, int64_t i, int bf16)
+{
+    if (!bf16)
+        return ((const float *)cache)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)cache)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 #ifdef USE_AVX2
 /* s[0..len) = e^(s - max(s)); returns their sum. */
@@ -51,23 +68,32 @@ static float softmax_numerators(float *s, int64_t len)
     return sum;
 }
 
+/* Cached values i .. i + 7 as fp32. */
+static inline __m256 load8(const void *cache, int64_t i, int bf16)
+{
+    if (!bf16)
+        return _mm256_loadu_ps((const float *)cache + i);
+    const __m128i halves = _mm_loadu_si128((const __m128i *)at(cache, i, 1));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+}
+
 /* The four dot products q . k[0..3] (head_dim values each, a multiple of 8), as 4 lanes. */
-static inline __m128 dot4(const float *q, const float *k, int64_t head_dim)
+static inline __m128 dot4(const float *q, const void *k, int64_t head_dim, int bf16)
 {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t d = 0; d < head_dim; d += 8) {
         const __m256 qd = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + d), a0);
-        a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + head_dim + d), a1);
-        a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 2 * head_dim + d), a2);
-        a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 3 * head_dim + d), a3);
+        a0 = _mm256_fmadd_ps(qd, load8(k, d, bf16), a0);
+        a1 = _mm256_fmadd_ps(qd, load8(k, head_dim + d, bf16), a1);
+        a2 = _mm256_fmadd_ps(qd, load8(k, 2 * head_dim + d, bf16), a2);
+        a3 = _mm256_fmadd_ps(qd, load8(k, 3 * head_dim + d, bf16), a3);
     }
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
 /* o[0..head_dim) += the sum over t < n of p[t] * v[t]: o stays in registers for the block. */
-static inline void weigh_values(const float *v, const float *p, int64_t n, int64_t head_dim, float *o)
+static inline void weigh_values(const void *v, const float *p, int64_t n, int64_t head_dim, float *o, int bf16)
 {
     int64_t d = 0;
     for (; d + 64 <= head_dim; d += 64) {
@@ -76,24 +102,24 @@ static inline void weigh_values(const float *v, const float *p, int64_t n, int64
         for (int64_t t = 0; t < n; t++) {
             const __m256 pt = _mm256_broadcast_ss(p + t);
             _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++)
-                acc[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + t * head_dim + d + 8 * i), acc[i]);
+                acc[i] = _mm256_fmadd_ps(pt, load8(v, t * head_dim + d + 8 * i, bf16), acc[i]);
         }
         _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) _mm256_storeu_ps(o + d + 8 * i, acc[i]);
     }
     for (; d < head_dim; d += 8) {
         __m256 acc = _mm256_loadu_ps(o + d);
         for (int64_t t = 0; t < n; t++)
-            acc = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), _mm256_loadu_ps(v + t * head_dim + d), acc);
+            acc = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), load8(v, t * head_dim + d, bf16), acc);
         _mm256_storeu_ps(o + d, acc);
     }
 }
 
-/* Rows [t, t + 4) of the next block, head_dim floats each, towards the cache while this one computes. */
-static inline void prefetch_rows(const float *next, int64_t t, int64_t head_dim)
+/* Rows [t, t + 4) of the next block, head_dim values each, towards the cache while this one computes. */
+static inline void prefetch_rows(const void *next, int64_t t, int64_t head_dim, int bf16)
 {
     if (next != NULL)
-        for (int64_t i = t * head_dim; i < (t + 4) * head_dim; i += 16)
-            _mm_prefetch((const char *)(next + i), _MM_HINT_T0);
+        for (int64_t i = t * head_dim; i < (t + 4) * head_dim; i += bf16 ? 32 : 16)
+            _mm_prefetch((const char *)at(next, i, bf16), _MM_HINT_T0);
 }
 #endif
 
@@ -103,10 +129,10 @@ static inline void prefetch_rows(const float *next, int64_t t, int64_t head_dim)
  * e^(score - max) of each, and out = their weighted sum of the values / the sum of the weights. The
  * next block is prefetched while one computes: the blocks lie scattered, out of the hardware
  * prefetcher's sight. */
-void attend_one(
-    const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t len,
+static inline void attend(
+    const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t len,
     int64_t window, float *out, int64_t group, int64_t head_dim, int64_t block_size, int64_t head_stride,
-    float scale, float *scores)
+    float scale, float *scores, int bf16)
 {
     const int64_t first = window > 0 && len > window ? len - window : 0, keys = len - first;
     const int64_t blocks = (len + block_size - 1) / block_size, block_floats = block_size * head_dim;
@@ -116,22 +142,22 @@ void attend_one(
     for (int64_t b = first / block_size; b < blocks; b++) {
         const int64_t t0 = b * block_size, n = len - t0 < block_size ? len - t0 : block_size;
         const int64_t skip = first > t0 ? first - t0 : 0; /* rows of the first block before the window */
-        const float *k = k_cache + head_stride + table[b] * block_floats + skip * head_dim;
+        const void *k = at(k_cache, head_stride + table[b] * block_floats + skip * head_dim, bf16);
         for (int64_t g = 0; g < group; g++) {
             const float *qg = q + g * head_dim;
             float *s = scores + g * keys + t0 + skip - first; /* s[t]: the score of k's row t */
             int64_t t = 0;
 #ifdef USE_AVX2
-            const float *next = g == 0 && b + 1 < blocks ? k_cache + head_stride + table[b + 1] * block_floats : NULL;
+            const void *next = g == 0 && b + 1 < blocks ? at(k_cache, head_stride + table[b + 1] * block_floats, bf16) : NULL;
             for (; vector && t + 4 <= n - skip; t += 4) {
-                prefetch_rows(next, t, head_dim);
-                _mm_storeu_ps(s + t, _mm_mul_ps(dot4(qg, k + t * head_dim, head_dim), _mm_set1_ps(scale)));
+                prefetch_rows(next, t, head_dim, bf16);
+                _mm_storeu_ps(s + t, _mm_mul_ps(dot4(qg, at(k, t * head_dim, bf16), head_dim, bf16), _mm_set1_ps(scale)));
             }
 #endif
             for (; t < n - skip; t++) {
                 float dot = 0.0f;
                 for (int64_t d = 0; d < head_dim; d++)
-                    dot += qg[d] * k[t * head_dim + d];
+                    dot += qg[d] * value_at(k, t * head_dim + d, bf16);
                 s[t] = dot * scale;
             }
         }
@@ -160,15 +186,15 @@ void attend_one(
     for (int64_t b = first / block_size; b < blocks; b++) {
         const int64_t t0 = b * block_size, n = len - t0 < block_size ? len - t0 : block_size;
         const int64_t skip = first > t0 ? first - t0 : 0;
-        const float *v = v_cache + head_stride + table[b] * block_floats + skip * head_dim;
+        const void *v = at(v_cache, head_stride + table[b] * block_floats + skip * head_dim, bf16);
         const float *p = scores + t0 + skip - first; /* p[t]: the weight of v's row t, for head 0 */
 #ifdef USE_AVX2
         if (vector) {
-            const float *next = b + 1 < blocks ? v_cache + head_stride + table[b + 1] * block_floats : NULL;
+            const void *next = b + 1 < blocks ? at(v_cache, head_stride + table[b + 1] * block_floats, bf16) : NULL;
             for (int64_t t = 0; t < block_size; t += 4)
-                prefetch_rows(next, t, head_dim);
+                prefetch_rows(next, t, head_dim, bf16);
             for (int64_t g = 0; g < group; g++)
-                weigh_values(v, p + g * keys, n - skip, head_dim, out + g * head_dim);
+                weigh_values(v, p + g * keys, n - skip, head_dim, out + g * head_dim, bf16);
             continue;
         }
 #endif
@@ -178,12 +204,20 @@ void attend_one(
                 float *o = out + g * head_dim;
 #pragma omp simd
                 for (int64_t d = 0; d < head_dim; d++)
-                    o[d] += w * v[t * head_dim + d];
+                    o[d] += w * value_at(v, t * head_dim + d, bf16);
             }
     }
     for (int64_t g = 0; g < group; g++)
         for (int64_t d = 0; d < head_dim; d++)
             out[g * head_dim + d] *= inverse[g];
+}
+
+void attend_one(
+    const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t len,
+    int64_t window, float *out, int64_t group, int64_t head_dim, int64_t block_size, int64_t head_stride,
+    float scale, float *scores)
+{
+    attend(q, k_cache, v_cache, table, len, window, out, group, head_dim, block_size, head_stride, scale, scores, 0);
 }
 
 int tables_in_bounds(const int64_t *block_tables, const int64_t *seq_lens, int64_t rows, int64_t max_blocks,
@@ -200,15 +234,16 @@ int tables_in_bounds(const int64_t *block_tables, const int64_t *seq_lens, int64
     return 1;
 }
 
-/* q, out: [batch, heads, head_dim]; caches: [kv_heads, num_blocks, block_size, head_dim];
+/* q, out: [batch, heads, head_dim] fp32; caches: [kv_heads, num_blocks, block_size, head_dim], fp32 or with
+ * `cache_bf16` bf16;
  * block_tables: [batch, max_blocks]; seq_lens: [batch], each >= 1; window: the keys each query sees, its own
  * included (<= 0: all). Returns 0, -1 if out of memory, or -2 for a length or block id out of bounds
  * (tables_in_bounds). */
 int paged_decode_attention(
-    const float *q, const float *k_cache, const float *v_cache, const int64_t *block_tables,
+    const float *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
     const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t max_blocks, int64_t window, float scale,
-    int num_threads)
+    int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t max_blocks, int64_t window,
+    int64_t cache_bf16, float scale, int num_threads)
 {
     if (!tables_in_bounds(block_tables, seq_lens, batch, max_blocks, num_blocks, block_size))
         return -2;
@@ -225,9 +260,13 @@ int paged_decode_attention(
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const int64_t offset = (b * num_heads + h * group) * head_dim;
             float *scores = scratch + omp_get_thread_num() * group * max_len;
-            attend_one(q + offset, k_cache, v_cache, block_tables + b * max_blocks, seq_lens[b], window,
-                       out + offset, group, head_dim, block_size, h * num_blocks * block_size * head_dim,
-                       scale, scores);
+            const int64_t head_stride = h * num_blocks * block_size * head_dim;
+            if (cache_bf16)
+                attend(q + offset, k_cache, v_cache, block_tables + b * max_blocks, seq_lens[b], window,
+                       out + offset, group, head_dim, block_size, head_stride, scale, scores, 1);
+            else
+                attend(q + offset, k_cache, v_cache, block_tables + b * max_blocks, seq_lens[b], window,
+                       out + offset, group, head_dim, block_size, head_stride, scale, scores, 0);
         }
     }
     free(scratch);
