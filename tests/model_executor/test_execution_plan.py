@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from llmserve.config import ModelConfig
+from llmserve.model_executor import execution_plan
 from llmserve.model_executor.execution_plan import ExecutionPlan, StoredProduct
 from llmserve.model_executor.kernels import native
 from llmserve.model_executor.models.registry import model_class, supported_architectures
@@ -59,12 +60,16 @@ def test_without_our_kernels_weights_are_dense_through_onednn_and_torch_attentio
     assert any("native_kernels=False" in reason for reason in p.reasons)
 
 
-def test_bf16_compute_takes_pytorch_but_for_the_decode_attention() -> None:
+def test_bf16_compute_takes_pytorch_but_for_the_decode_attention(monkeypatch: pytest.MonkeyPatch) -> None:
     p = plan(dtype=torch.bfloat16)
-    assert not p.stored_weights and not p.fused_decode and p.dense_product() == "torch"
+    assert not p.stored_weights and not p.fused_decode
     assert p.decode_attention == "paged_attention.c" and p.gated_activation == "torch"
     assert any("bfloat16" in reason for reason in p.reasons)
     assert plan(dtype=torch.float16).decode_attention == "torch"
+    monkeypatch.setattr(execution_plan, "cpu_has_bf16_products", lambda: True)
+    assert p.dense_product() == "onednn" and plan(dtype=torch.float16).dense_product() == "torch"
+    monkeypatch.setattr(execution_plan, "cpu_has_bf16_products", lambda: False)
+    assert p.dense_product() == "torch"
 
 
 def test_sampling_argmax_takes_the_c_kernel_on_the_cpu_with_the_library() -> None:

@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from llmserve.config import ModelConfig
 from llmserve.model_executor.cpu_threads import core_thread_count
+from llmserve.model_executor.execution_plan import ExecutionPlan, cpu_has_bf16_products
 from llmserve.model_executor.kernels import native
 from llmserve.model_executor.layers.linear import Linear, OneDNNKernel, StoredKernel
 from llmserve.model_executor.layers.stored_weight import StoredTensor, StoredWeight
@@ -31,6 +33,26 @@ def test_dense_fp32_is_onednn(rows: int, bias: bool) -> None:
     layer.prepare(cpu_plan(stored=False))
     assert isinstance(layer.kernel, OneDNNKernel)
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_dense_bf16_is_onednn_with_f_linears_values(rows: int) -> None:
+    """`--dtype bfloat16` on a CPU with bf16 instructions: the weight packed once, F.linear's values up
+    to the last bf16 rounding (the two sum in different orders); elsewhere `F.linear` itself."""
+    torch.manual_seed(rows)
+    layer = Linear(96, 80, True, stored=False).bfloat16()
+    torch.nn.init.normal_(layer.weight)
+    assert layer.bias is not None
+    torch.nn.init.normal_(layer.bias)
+    x = torch.randn(rows, 96).bfloat16()
+    expected = F.linear(x, layer.weight, layer.bias)
+    config = ModelConfig(native_kernels=True)
+    layer.prepare(ExecutionPlan.decide(config, torch.device("cpu"), torch.bfloat16, "LlamaForCausalLM"))
+    if cpu_has_bf16_products():
+        assert isinstance(layer.kernel, OneDNNKernel)
+    else:
+        assert layer.kernel is None
+    torch.testing.assert_close(layer(x), expected, rtol=2**-7, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
