@@ -2,9 +2,10 @@
 
 The flattened batch holds the decode rows first (one per sequence, or with speculative guesses one per
 token of its sequence, each with its own length), then each prefill chunk. Decodes are attended in one
-call: on CPU in fp32 by our C kernel (`kernels/paged_attention.c`), which reads the
-blocks in place, else by PyTorch over gathered blocks. Prefill chunks go one sequence at a time through
-`scaled_dot_product_attention` (there are few, and each is a large matrix product already).
+call: on CPU, from fp32 or bf16 caches, by our C kernel (`kernels/paged_attention.c`, computing in
+fp32), which reads the blocks in place, else by PyTorch over gathered blocks. Prefill chunks go one
+sequence at a time through `scaled_dot_product_attention` (there are few, and each is a large matrix
+product already).
 
 The cache is head-major, `[kv_heads, num_blocks, block_size, head_dim]`, so that gathering a batch's
 blocks yields `[kv_heads, batch, tokens, head_dim]` directly: one copy, and the matrix products read
@@ -45,7 +46,7 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor  # [num_decodes] int64, including the new token
     decode_max_len: int
     prefills: list[PrefillChunk]
-    native_decode: bool = False  # through kernels/paged_attention.c (CPU, fp32, when it could be built)
+    native_decode: bool = False  # through kernels/paged_attention.c (CPU, fp32 or bf16, when it built)
 
 
 def write_kv(

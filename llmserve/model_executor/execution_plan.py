@@ -89,10 +89,15 @@ class ExecutionPlan:
             reasons.append("C kernels unavailable (no compiler, or the build failed)")
         if device.type != "cpu":
             reasons.append(f"device {device.type}: PyTorch kernels")
-        if dtype == torch.bfloat16:
-            reasons.append("dtype bfloat16: PyTorch kernels but decode attention (ours compute fp32)")
-        elif dtype != torch.float32:
-            reasons.append(f"dtype {str(dtype).removeprefix('torch.')}: PyTorch kernels (ours compute fp32)")
+        # the decode attention also reads bf16 caches (widened exactly, computed in fp32)
+        c_attention = (
+            library and device.type == "cpu" and not encoder and dtype in (torch.float32, torch.bfloat16)
+        )
+        if dtype != torch.float32:
+            but = " but decode attention" if c_attention else ""
+            reasons.append(
+                f"dtype {str(dtype).removeprefix('torch.')}: PyTorch kernels{but} (ours compute fp32)"
+            )
         native_path = library and device.type == "cpu" and dtype == torch.float32
         quantization = model_config.quantization
         if quantization != "none" and not native_path:
@@ -103,10 +108,6 @@ class ExecutionPlan:
             raise ValueError(f"quantization={quantization!r} is for decoders; {architecture} is an encoder.")
         int8_activations = quantization in ("gguf", "int8", "int4")
         decoder_kernels = native_path and not encoder  # our C decode attention, activation and step
-        # the decode attention also reads bf16 caches (widened exactly, computed in fp32)
-        c_attention = (
-            library and device.type == "cpu" and not encoder and dtype in (torch.float32, torch.bfloat16)
-        )
         return cls(
             device=device,
             dtype=dtype,

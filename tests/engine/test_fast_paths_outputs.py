@@ -65,6 +65,32 @@ def test_gguf_block_kernels_give_the_torch_outputs(tiny_llama_hf_dir: Path, tmp_
             llm.shutdown()
 
 
+@pytest.mark.usefixtures("native_library")
+def test_bf16_decode_attention_in_c_gives_the_torch_outputs(tiny_llama_hf_dir: Path) -> None:
+    """`--dtype bfloat16`: decodes read the bf16 cache in C, computing in fp32 where PyTorch's gathered
+    products round to bf16 on the way: the same greedy tokens, logprobs within bf16's rounding."""
+    rng = random.Random(7)
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(3, VOCAB_SIZE) for _ in range(5 + 9 * i)]} for i in range(6)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    results = {}
+    for native_kernels in (True, False):
+        llm = make_llm(tiny_llama_hf_dir, native_kernels=native_kernels, dtype="bfloat16")
+        try:
+            assert core_of(llm).model_runner.native == native_kernels
+            results[native_kernels] = llm.generate(prompts, params, use_tqdm=False)
+            if not native_kernels:
+                for a, b in zip(results[True], results[False], strict=True):
+                    tie = assert_same_greedy(llm, a, b)
+                    tokens = b.outputs[0].token_ids[: None if tie is None else tie + 1]
+                    assert a.outputs[0].logprobs is not None and b.outputs[0].logprobs is not None
+                    for token, x, y in zip(tokens, a.outputs[0].logprobs, b.outputs[0].logprobs):
+                        assert abs(x[token].logprob - y[token].logprob) < 0.05
+        finally:
+            llm.shutdown()
+
+
 def assert_same_outputs(plain_llm: LLM, fast: list[RequestOutput], plain: list[RequestOutput]) -> None:
     """Same greedy tokens (near-tie rule) and logprobs within 1e-4 up to a near-tie: summation order is
     all that differs."""

@@ -231,7 +231,8 @@ INLINE void dot_group(const BlockInput *in, const uint8_t *row, int qtype, int R
         /* below 8 only for a legacy type's last */
         const int n = is_k_type(qtype) || chunks - s >= 8 ? 8 : (int)(chunks - s);
         const uint8_t *group = chunk_group(qtype, row, s);
-        prefetch_ahead(group, is_k_type(qtype) ? block_bytes(qtype) : 8 * bytes32(qtype));
+        if (r0 == 0) /* once per weight row, whatever the rows of x */
+            prefetch_ahead(group, is_k_type(qtype) ? block_bytes(qtype) : 8 * bytes32(qtype));
         __m256 w8 = _mm256_setzero_ps(), w16[2] = {w8, w8}, offsets;
         group_scales(qtype, row, s, n, &w8, w16, &offsets);
         __m256 scales[GROUP_ROWS][2]; /* times x's: per chunk in [0], or Q6_K's per 16 weights */
@@ -393,10 +394,11 @@ int reads_blocks(const Weight *w, int64_t in)
     return w->num_parts > 0;
 }
 
-int64_t share_rows(const Weight *w, int64_t in, int64_t per_output)
+int64_t share_rows(const Weight *w, int64_t in, int64_t per_output, int64_t out, int threads)
 {
     const int64_t bytes = per_output * row_bytes((int)w->parts[0].qtype, in);
-    return bytes > 0 ? (SHARE_BYTES + bytes - 1) / bytes : 1;
+    const int64_t rows = bytes > 0 ? (SHARE_BYTES + bytes - 1) / bytes : 1, each = (out + threads - 1) / threads;
+    return rows < each ? rows : each > 0 ? each : 1;
 }
 
 /* x: [rows, in] fp32 (rows <= BLOCK_GEMV_MAX_ROWS), rounded here; W: [out, in] in GGUF blocks; y [rows,
@@ -412,7 +414,7 @@ int block_gemv(const float *x, int64_t rows, int64_t in, const Weight *w, int64_
     const int status = scales == NULL || q == NULL ? -2 : 0;
     if (status == 0) {
         prepare_input(&input, q, scales, scales + nblocks);
-        const int64_t chunk = share_rows(w, in, 1);
+        const int64_t chunk = share_rows(w, in, 1, out, num_threads);
 #pragma omp parallel for schedule(guided, chunk) num_threads(num_threads)
         for (int64_t o = 0; o < out; o++) {
             float acc[BLOCK_GEMV_MAX_ROWS];

@@ -120,7 +120,7 @@ static void project(const Weight *p, const Step *t, int64_t out, float *y, int a
         return;
     }
     const BlockInput *x = &t->input;
-    const int64_t rows = x->rows, chunk = share_rows(p, x->in, 1);
+    const int64_t rows = x->rows, chunk = share_rows(p, x->in, 1, out, omp_get_num_threads());
 #pragma omp for schedule(guided, chunk)
     for (int64_t o = 0; o < out; o++) {
         float acc[BLOCK_GEMV_MAX_ROWS];
@@ -147,7 +147,7 @@ static void gate_up_act(const Weight *p, const Step *t, int64_t inter, int64_t a
         return;
     }
     const BlockInput *x = &t->input;
-    const int64_t rows = x->rows, chunk = share_rows(p, x->in, 2);
+    const int64_t rows = x->rows, chunk = share_rows(p, x->in, 2, inter, omp_get_num_threads());
 #pragma omp for schedule(guided, chunk)
     for (int64_t o = 0; o < inter; o++) {
         float gate[BLOCK_GEMV_MAX_ROWS], up[BLOCK_GEMV_MAX_ROWS], act[BLOCK_GEMV_MAX_ROWS];

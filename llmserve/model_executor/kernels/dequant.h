@@ -70,17 +70,11 @@ INLINE void scales_mins(const uint8_t *s, uint8_t sc[8], uint8_t mn[8])
     memcpy(mn, words + 2, 8);
 }
 
-/* out[i] = d * (float)v[i] for 8 bytes v, in one vector where there are vectors. */
+/* out[i] = d * (float)v[i] for 8 bytes v. */
 INLINE void scale8(const uint8_t v[8], float d, float out[8])
 {
-#ifdef USE_AVX2
-    __m128i bytes;
-    memcpy(&bytes, v, 8);
-    _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes))));
-#else
     for (int i = 0; i < 8; i++)
         out[i] = d * (float)v[i];
-#endif
 }
 
 #ifdef USE_AVX2

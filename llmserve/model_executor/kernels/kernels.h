@@ -110,12 +110,13 @@ typedef struct {
     int64_t rows, in;
 } BlockInput;
 
-/* The fewest output rows of w a thread takes at a time in a product that reads blocks: SHARE_BYTES of
- * them (`per_output` weight rows each). Threads take rows as they finish (OpenMP's guided schedule, the
- * first shares largest), so that one slower core does not keep the others waiting at the barrier, while
- * each share stays one long run of memory for the prefetchers. */
+/* The fewest of `out` output rows of w a thread takes at a time in a product that reads blocks: about
+ * SHARE_BYTES of them (`per_output` weight rows each, sized by the first part's type), and no more than
+ * every one of `threads` threads gets some. Threads take rows as they finish (OpenMP's guided schedule,
+ * the first shares largest), so that one slower core does not keep the others waiting at the barrier,
+ * while each share stays one long run of memory for the prefetchers. */
 #define SHARE_BYTES (64 << 10)
-int64_t share_rows(const Weight *w, int64_t in, int64_t per_output);
+int64_t share_rows(const Weight *w, int64_t in, int64_t per_output, int64_t out, int threads);
 
 /* Rounds in->x into q, scales and sums, and points `in` at them. */
 void prepare_input(BlockInput *in, int8_t *q, float *scales, float *sums);

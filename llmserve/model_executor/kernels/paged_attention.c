@@ -129,26 +129,26 @@ static inline void prefetch_rows(const void *next, int64_t t, int64_t head_dim, 
  * e^(score - max) of each, and out = their weighted sum of the values / the sum of the weights. The
  * next block is prefetched while one computes: the blocks lie scattered, out of the hardware
  * prefetcher's sight. */
-static inline void attend(
+__attribute__((always_inline)) static inline void attend(
     const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t len,
     int64_t window, float *out, int64_t group, int64_t head_dim, int64_t block_size, int64_t head_stride,
     float scale, float *scores, int bf16)
 {
     const int64_t first = window > 0 && len > window ? len - window : 0, keys = len - first;
-    const int64_t blocks = (len + block_size - 1) / block_size, block_floats = block_size * head_dim;
+    const int64_t blocks = (len + block_size - 1) / block_size, block_values = block_size * head_dim;
 #ifdef USE_AVX2
     const int vector = head_dim % 8 == 0 && block_size % 4 == 0;
 #endif
     for (int64_t b = first / block_size; b < blocks; b++) {
         const int64_t t0 = b * block_size, n = len - t0 < block_size ? len - t0 : block_size;
         const int64_t skip = first > t0 ? first - t0 : 0; /* rows of the first block before the window */
-        const void *k = at(k_cache, head_stride + table[b] * block_floats + skip * head_dim, bf16);
+        const void *k = at(k_cache, head_stride + table[b] * block_values + skip * head_dim, bf16);
         for (int64_t g = 0; g < group; g++) {
             const float *qg = q + g * head_dim;
             float *s = scores + g * keys + t0 + skip - first; /* s[t]: the score of k's row t */
             int64_t t = 0;
 #ifdef USE_AVX2
-            const void *next = g == 0 && b + 1 < blocks ? at(k_cache, head_stride + table[b + 1] * block_floats, bf16) : NULL;
+            const void *next = g == 0 && b + 1 < blocks ? at(k_cache, head_stride + table[b + 1] * block_values, bf16) : NULL;
             for (; vector && t + 4 <= n - skip; t += 4) {
                 prefetch_rows(next, t, head_dim, bf16);
                 _mm_storeu_ps(s + t, _mm_mul_ps(dot4(qg, at(k, t * head_dim, bf16), head_dim, bf16), _mm_set1_ps(scale)));
@@ -186,11 +186,11 @@ static inline void attend(
     for (int64_t b = first / block_size; b < blocks; b++) {
         const int64_t t0 = b * block_size, n = len - t0 < block_size ? len - t0 : block_size;
         const int64_t skip = first > t0 ? first - t0 : 0;
-        const void *v = at(v_cache, head_stride + table[b] * block_floats + skip * head_dim, bf16);
+        const void *v = at(v_cache, head_stride + table[b] * block_values + skip * head_dim, bf16);
         const float *p = scores + t0 + skip - first; /* p[t]: the weight of v's row t, for head 0 */
 #ifdef USE_AVX2
         if (vector) {
-            const void *next = b + 1 < blocks ? at(v_cache, head_stride + table[b + 1] * block_floats, bf16) : NULL;
+            const void *next = b + 1 < blocks ? at(v_cache, head_stride + table[b + 1] * block_values, bf16) : NULL;
             for (int64_t t = 0; t < block_size; t += 4)
                 prefetch_rows(next, t, head_dim, bf16);
             for (int64_t g = 0; g < group; g++)
