@@ -13,11 +13,17 @@ from llmserve import LLM, RequestOutput, SamplingParams
 from llmserve.model_executor.layers.linear import StoredKernel
 from tests.engine.test_llm_batching import core_of, make_llm
 from tests.fixtures.tiny_llama import VOCAB_SIZE, gguf_name, write_gguf
-from tests.greedy_match import assert_same_greedy
+from tests.greedy_match import NEAR_TIE_NATS, assert_same_greedy
 
 
 @pytest.mark.usefixtures("native_library")
-def test_native_decode_attention_gives_the_torch_outputs(tiny_llama_hf_dir: Path) -> None:
+@pytest.mark.parametrize(("dtype", "tolerance"), [("float32", 1e-4), ("bfloat16", 0.05)])
+def test_native_decode_attention_gives_the_torch_outputs(
+    tiny_llama_hf_dir: Path, dtype: str, tolerance: float
+) -> None:
+    """In bf16 the C kernel reads the bf16 cache and computes in fp32 where PyTorch's gathered products
+    round to bf16 on the way: logprobs agree within bf16's rounding, and a near-tie may rank the
+    runners-up apart."""
     rng = random.Random(5)
     shared = [rng.randrange(3, VOCAB_SIZE) for _ in range(40)]
     prompts = [
@@ -28,12 +34,15 @@ def test_native_decode_attention_gives_the_torch_outputs(tiny_llama_hf_dir: Path
     results = {}
     for native_kernels in (True, False):
         # Small token budget: prefill chunks, prefix hits and decodes share steps.
-        llm = make_llm(tiny_llama_hf_dir, native_kernels=native_kernels, max_num_batched_tokens=64)
+        llm = make_llm(
+            tiny_llama_hf_dir, native_kernels=native_kernels, max_num_batched_tokens=64, dtype=dtype
+        )
         try:
             assert core_of(llm).model_runner.native == native_kernels
             results[native_kernels] = llm.generate(prompts, params, use_tqdm=False)
             if not native_kernels:
-                assert_same_outputs(llm, results[True], results[False])
+                bf16 = dtype == "bfloat16"
+                assert_same_outputs(llm, results[True], results[False], tolerance, same_runners_up=not bf16)
         finally:
             llm.shutdown()
 
@@ -65,42 +74,25 @@ def test_gguf_block_kernels_give_the_torch_outputs(tiny_llama_hf_dir: Path, tmp_
             llm.shutdown()
 
 
-@pytest.mark.usefixtures("native_library")
-def test_bf16_decode_attention_in_c_gives_the_torch_outputs(tiny_llama_hf_dir: Path) -> None:
-    """`--dtype bfloat16`: decodes read the bf16 cache in C, computing in fp32 where PyTorch's gathered
-    products round to bf16 on the way: the same greedy tokens, logprobs within bf16's rounding."""
-    rng = random.Random(7)
-    prompts = [
-        {"prompt_token_ids": [rng.randrange(3, VOCAB_SIZE) for _ in range(5 + 9 * i)]} for i in range(6)
-    ]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
-    results = {}
-    for native_kernels in (True, False):
-        llm = make_llm(tiny_llama_hf_dir, native_kernels=native_kernels, dtype="bfloat16")
-        try:
-            assert core_of(llm).model_runner.native == native_kernels
-            results[native_kernels] = llm.generate(prompts, params, use_tqdm=False)
-            if not native_kernels:
-                for a, b in zip(results[True], results[False], strict=True):
-                    tie = assert_same_greedy(llm, a, b)
-                    tokens = b.outputs[0].token_ids[: None if tie is None else tie + 1]
-                    assert a.outputs[0].logprobs is not None and b.outputs[0].logprobs is not None
-                    for token, x, y in zip(tokens, a.outputs[0].logprobs, b.outputs[0].logprobs):
-                        assert abs(x[token].logprob - y[token].logprob) < 0.05
-        finally:
-            llm.shutdown()
-
-
-def assert_same_outputs(plain_llm: LLM, fast: list[RequestOutput], plain: list[RequestOutput]) -> None:
-    """Same greedy tokens (near-tie rule) and logprobs within 1e-4 up to a near-tie: summation order is
-    all that differs."""
+def assert_same_outputs(
+    plain_llm: LLM,
+    fast: list[RequestOutput],
+    plain: list[RequestOutput],
+    tolerance: float = 1e-4,
+    same_runners_up: bool = True,
+) -> None:
+    """Same greedy tokens (near-tie rule, a near-tie being closer than `tolerance` where that is wider)
+    and logprobs within `tolerance` up to a near-tie: summation order (and in bf16, where it rounds) is
+    all that differs. Without `same_runners_up` only the tokens both runs ranked are compared."""
     for a, b in zip(fast, plain, strict=True):
-        tie = assert_same_greedy(plain_llm, a, b)
+        tie = assert_same_greedy(plain_llm, a, b, max(tolerance, NEAR_TIE_NATS))
         compared = len(b.outputs[0].token_ids) if tie is None else tie + 1
         assert a.outputs[0].logprobs is not None and b.outputs[0].logprobs is not None
         for x, y in zip(a.outputs[0].logprobs[:compared], b.outputs[0].logprobs[:compared]):
-            for token, entry in x.items():
-                assert abs(entry.logprob - y[token].logprob) < 1e-4
+            tokens = x.keys() if same_runners_up else x.keys() & y.keys()
+            assert tokens
+            for token in tokens:
+                assert abs(x[token].logprob - y[token].logprob) < tolerance
 
 
 def _projection_names(hf_dir: Path) -> list[str]:
