@@ -117,6 +117,26 @@ INLINE f32x16 scaled16(__m128i v, int is_signed, float d, float m, int add_m)
 }
 #endif
 
+#if defined(__AVX512F__)
+/* On AVX-512 a 4-bit weight (Q4_0, Q4_1, Q4_K) is read through a table: the 16 values its nibble can
+ * stand for, computed in one register by the operations that compute one weight in the other builds,
+ * then one permute per 16 weights by their nibbles (vpermps reads the low 4 bits of each lane only), in
+ * place of a conversion, a multiply and an add. One row of a Q4_K weight went from 10 to 17 GB/s on a
+ * Zen 5 core. The table's lanes: the nibbles 0..15 less the type's centre, as floats. */
+INLINE __m512 nibble_lanes(int centre)
+{
+    const __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_sub_ps(nibbles, _mm512_set1_ps((float)centre));
+}
+
+/* The weights of the 16 bytes at p: their low nibbles, or (high) their high ones, looked up in table. */
+INLINE f32x16 nibbles16(const uint8_t *p, int high, __m512 table)
+{
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    return (f32x16)_mm512_permutexvar_ps(high ? _mm512_srli_epi32(bytes, 4) : bytes, table);
+}
+#endif
+
 /* legacy32 reads one whole block of Q4_0 and Q4_1 (with_min), Q5_0 and Q5_1 (with high bits); q8_0_32
  * one of Q8_0. With AVX2 or AVX-512 the bytes stay bytes until one widening to int32, and the fifth bits
  * are spread to bytes at once (AVX-512 BW: a mask register's, in one masked add per 16 weights): the
@@ -129,6 +149,15 @@ INLINE void legacy32(const uint8_t *block, int with_min, int with_high, f32x16 w
     uint32_t qh = 0;
     if (with_high)
         memcpy(&qh, block + 2 + 2 * with_min, 4);
+#if defined(__AVX512F__)
+    if (!with_high) {
+        const __m512 dq = _mm512_mul_ps(_mm512_set1_ps(d), nibble_lanes(with_min ? 0 : offset));
+        const __m512 table = with_min ? _mm512_add_ps(dq, _mm512_set1_ps(m)) : dq;
+        for (int half = 0; half < 2; half++)
+            w[half] = nibbles16(qs, half, table);
+        return;
+    }
+#endif
 #ifdef USE_AVX2
     const __m128i bytes = _mm_loadu_si128((const __m128i *)qs), low4 = _mm_set1_epi8(0x0f);
     __m128i q[2] = {_mm_and_si128(bytes, low4), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4)};
@@ -171,8 +200,15 @@ INLINE void k_scales(int qtype, const uint8_t *block, KScales *out)
 {
     if (qtype == Q6_K) {
         const float d = read_half(block + 208);
+#ifdef USE_AVX2
+        for (int h = 0; h < 2; h++) {
+            const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(block + 192 + 8 * h)));
+            _mm256_storeu_ps(out->d + 8 * h, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sc)));
+        }
+#else
         for (int i = 0; i < 16; i++)
             out->d[i] = d * (float)(int8_t)block[192 + i];
+#endif
         return;
     }
 #ifdef USE_AVX2
@@ -202,6 +238,15 @@ INLINE void k_scales(int qtype, const uint8_t *block, KScales *out)
 INLINE void k32(const uint8_t *block, int i, int with_high, const KScales *k, f32x16 w[2])
 {
     const uint8_t *qh = block + 16, *qs = block + 16 + 32 * with_high;
+#if defined(__AVX512F__)
+    if (!with_high) {
+        const __m512 dq = _mm512_mul_ps(_mm512_set1_ps(k->d[i]), nibble_lanes(0));
+        const __m512 table = _mm512_sub_ps(dq, _mm512_set1_ps(k->m[i])); /* adding -m, as the others do */
+        for (int half = 0; half < 2; half++)
+            w[half] = nibbles16(qs + 32 * (i / 2) + 16 * half, i % 2, table);
+        return;
+    }
+#endif
     for (int half = 0; half < 2; half++) {
         const u8x16 bytes = load16(qs + 32 * (i / 2) + 16 * half);
         u8x16 q = i % 2 ? bytes >> 4 : bytes & 0x0f;
@@ -219,16 +264,25 @@ INLINE void k32(const uint8_t *block, int i, int with_high, const KScales *k, f3
 INLINE void q6_k32(const uint8_t *block, int g, const KScales *k, f32x16 w[2])
 {
     const int h = g / 4, t = g % 4;
+#ifdef USE_AVX2
+    /* the 32 values in one vector of bytes, then widened by halves (by halves throughout was 1.4 times
+     * the instructions) */
+    const __m256i low = _mm256_loadu_si256((const __m256i *)(block + 64 * h + 32 * (t % 2)));
+    const __m256i high = _mm256_loadu_si256((const __m256i *)(block + 128 + 32 * h));
+    const __m256i nibble = _mm256_and_si256(t / 2 ? _mm256_srli_epi16(low, 4) : low, _mm256_set1_epi8(0x0f));
+    const __m256i top = _mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * t));
+    const __m256i top2 = _mm256_slli_epi16(_mm256_and_si256(top, _mm256_set1_epi8(3)), 4);
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(nibble, top2), _mm256_set1_epi8(32));
+    w[0] = scaled16(_mm256_castsi256_si128(q), 1, k->d[2 * g], 0.0f, 0);
+    w[1] = scaled16(_mm256_extracti128_si256(q, 1), 1, k->d[2 * g + 1], 0.0f, 0);
+#else
     for (int half = 0; half < 2; half++) {
         const u8x16 low = load16(block + 64 * h + 32 * (t % 2) + 16 * half);
         const u8x16 high = load16(block + 128 + 32 * h + 16 * half);
         const u8x16 q = ((t / 2 ? low >> 4 : low) & 0x0f) | (((high >> (2 * t)) & 3) << 4);
-#ifdef USE_AVX2
-        w[half] = scaled16(_mm_sub_epi8((__m128i)q, _mm_set1_epi8(32)), 1, k->d[2 * g + half], 0.0f, 0);
-#else
         w[half] = k->d[2 * g + half] * to_float(widen(q) - 32);
-#endif
     }
+#endif
 }
 
 INLINE void f16_32(const uint8_t *src, f32x16 w[2])
