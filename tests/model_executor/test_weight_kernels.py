@@ -91,15 +91,18 @@ def test_product_of_odd_width_floats(isa: str) -> None:
     assert_product_close(y, x, torch.from_numpy(reference(raw, Q.F32)))
 
 
-def test_parts_of_different_types_stack(isa: str) -> None:
-    """A fused projection whose shards are stored in different types (Q4_K_M's q, k and v)."""
+@pytest.mark.parametrize("rows", [1, 10])
+def test_parts_of_different_types_stack(isa: str, rows: int) -> None:
+    """A fused projection whose shards are stored in different types (Q4_K_M's q, k and v), at a decode
+    step's row (each group of output rows found from its number, the parts' last groups partial) and at
+    ten."""
     parts = [(Q.Q4_K, 20), (Q.Q6_K, 7), (Q.Q8_0, 5)]
     raws = [stored(qtype, n, 256, seed=i) for i, (qtype, n) in enumerate(parts)]
     tensors = [torch.from_numpy(raw) for raw in raws]
     weight = native.Weight(num_parts=3, bias=0)
     for i, ((qtype, n), data) in enumerate(zip(parts, tensors)):
         weight.parts[i] = native.WeightPart(data.data_ptr(), int(qtype), n)
-    x = torch.randn(10, 256)
+    x = torch.randn(rows, 256)
     y = native.weight_gemm(x, weight, 32)
     w = torch.cat([torch.from_numpy(reference(raw, qtype)) for raw, (qtype, _) in zip(raws, parts)])
     assert_product_close(y, x, w)

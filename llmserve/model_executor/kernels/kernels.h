@@ -110,7 +110,7 @@ typedef struct {
     int64_t rows, in;
 } BlockInput;
 
-/* The fewest of `out` output rows of w a thread takes at a time in a product that reads blocks: about
+/* The fewest of `out` output rows of w a thread takes at a time in a decode step's product: about
  * SHARE_BYTES of them (`per_output` weight rows each, sized by the first part's type), and no more than
  * every one of `threads` threads gets some. Threads take rows as they finish (OpenMP's guided schedule,
  * the first shares largest), so that one slower core does not keep the others waiting at the barrier,

@@ -291,36 +291,45 @@ static float *scratch(void)
     return buffer;
 }
 
-/* The rows of groups [g0, g1) for m <= FUSED_ROWS rows of x, with the slices of the tiled path. */
-static void fused_share(const float *x, int64_t m, int64_t k, const Weight *w, int64_t n, int64_t g0,
-                        int64_t g1, float *y, int accumulate)
+/* Group g of NB rows of w's parts: its part, its first row in the part, and y's column of that row. */
+static const WeightPart *group_part(const Weight *w, int64_t g, int64_t *row0, int64_t *col0)
 {
-    int64_t g = 0, col0 = 0;
-    for (int64_t p = 0; p < w->num_parts; p++) {
-        const WeightPart *part = &w->parts[p];
+    int64_t p = 0, col = 0;
+    for (; p < w->num_parts - 1 && g >= (w->parts[p].rows + NB - 1) / NB; p++) {
+        g -= (w->parts[p].rows + NB - 1) / NB;
+        col += w->parts[p].rows;
+    }
+    *row0 = NB * g;
+    *col0 = col + NB * g;
+    return &w->parts[p];
+}
+
+/* The rows of the groups for m <= FUSED_ROWS rows of x, with the slices of the tiled path. Threads take
+ * groups as they finish, in shares as block_q8.c's (share_rows), without waiting for each other. */
+static void fused_share(const float *x, int64_t m, int64_t k, const Weight *w, int64_t n, int64_t groups,
+                        float *y, int accumulate)
+{
+    const int64_t chunk = share_rows(w, k, NB, groups, omp_get_num_threads());
+#pragma omp for schedule(guided, chunk) nowait
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t row0, col0;
+        const WeightPart *part = group_part(w, g, &row0, &col0);
         const int64_t bytes = row_bytes((int)part->qtype, k);
-        FusedGroup *fused = fused_for((int)part->qtype);
-        for (int64_t row0 = 0; row0 < part->rows; row0 += NB, g++) {
-            if (g < g0 || g >= g1)
-                continue;
-            const int cols = part->rows - row0 < NB ? (int)(part->rows - row0) : NB;
-            const uint8_t *rows[NB];
-            for (int j = 0; j < cols; j++)
-                rows[j] = part->data + (row0 + j) * bytes;
-            for (int64_t k0 = 0; k0 < k; k0 += KC) {
-                const int64_t kc = k - k0 < KC ? k - k0 : KC;
-                float out[FUSED_ROWS][NB];
-                fused(rows, NB * bytes, cols, k0 / 32, (k0 + kc) / 32, x, k, (int)m, out);
-                for (int j = 0; j < cols; j++) {
-                    float column[FUSED_ROWS];
-                    for (int r = 0; r < m; r++)
-                        column[r] = out[r][j];
-                    store_column(y, n, (int)m, col0 + row0 + j, column, k0 == 0 ? w->bias : NULL,
-                                 accumulate || k0 > 0);
-                }
+        const int cols = part->rows - row0 < NB ? (int)(part->rows - row0) : NB;
+        const uint8_t *rows[NB];
+        for (int j = 0; j < cols; j++)
+            rows[j] = part->data + (row0 + j) * bytes;
+        for (int64_t k0 = 0; k0 < k; k0 += KC) {
+            const int64_t kc = k - k0 < KC ? k - k0 : KC;
+            float out[FUSED_ROWS][NB];
+            fused_for((int)part->qtype)(rows, NB * bytes, cols, k0 / 32, (k0 + kc) / 32, x, k, (int)m, out);
+            for (int j = 0; j < cols; j++) {
+                float column[FUSED_ROWS];
+                for (int r = 0; r < m; r++)
+                    column[r] = out[r][j];
+                store_column(y, n, (int)m, col0 + j, column, k0 == 0 ? w->bias : NULL, accumulate || k0 > 0);
             }
         }
-        col0 += part->rows;
     }
 }
 
@@ -331,12 +340,12 @@ void weight_gemm_share(const float *x, int64_t m, int64_t k, const Weight *w, fl
         n += w->parts[p].rows;
         groups += (w->parts[p].rows + NB - 1) / NB;
     }
-    const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
-    const int64_t g0 = groups * t / threads, g1 = groups * (t + 1) / threads;
     if (m <= FUSED_ROWS && k % 32 == 0) {
-        fused_share(x, m, k, w, n, g0, g1, y, accumulate);
+        fused_share(x, m, k, w, n, groups, y, accumulate);
         return;
     }
+    const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+    const int64_t g0 = groups * t / threads, g1 = groups * (t + 1) / threads;
     for (int64_t k0 = 0; k0 < k; k0 += KC) {
         const int64_t kc = k - k0 < KC ? k - k0 : KC;
         const float *bias = k0 == 0 ? w->bias : NULL;
