@@ -121,8 +121,9 @@ INLINE f32x16 scaled16(__m128i v, int is_signed, float d, float m, int add_m)
 /* On AVX-512 a 4-bit weight (Q4_0, Q4_1, Q4_K) is read through a table: the 16 values its nibble can
  * stand for, computed in one register by the operations that compute one weight in the other builds,
  * then one permute per 16 weights by their nibbles (vpermps reads the low 4 bits of each lane only), in
- * place of a conversion, a multiply and an add. One row of a Q4_K weight went from 10 to 17 GB/s on a
- * Zen 5 core. The table's lanes: the nibbles 0..15 less the type's centre, as floats. */
+ * place of a conversion, a multiply and an add; a 5-bit one (Q5_0, Q5_1) through two. One row of a Q4_K
+ * weight went from 10 to 17 GB/s on a Zen 5 core, of a Q5_0 one from 11 to 13-16. The table's lanes:
+ * the nibbles 0..15 less the type's centre, as floats. */
 INLINE __m512 nibble_lanes(int centre)
 {
     const __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -138,9 +139,9 @@ INLINE f32x16 nibbles16(const uint8_t *p, int high, __m512 table)
 #endif
 
 /* legacy32 reads one whole block of Q4_0 and Q4_1 (with_min), Q5_0 and Q5_1 (with high bits); q8_0_32
- * one of Q8_0. With AVX2 or AVX-512 the bytes stay bytes until one widening to int32, and the fifth bits
- * are spread to bytes at once (AVX-512 BW: a mask register's, in one masked add per 16 weights): the
- * generic code's per-lane shifts of qh made Q5_0 cost twice Q4_0. The values are the same either way. */
+ * one of Q8_0. AVX-512 looks the values up (above). With AVX2 the bytes stay bytes until one widening to
+ * int32, and the fifth bits are spread to bytes at once: the generic code's per-lane shifts of qh made
+ * Q5_0 cost twice Q4_0. The values are the same either way. */
 INLINE void legacy32(const uint8_t *block, int with_min, int with_high, f32x16 w[2])
 {
     const int offset = with_high ? 16 : 8; /* what the unsigned value is centred on, without a minimum */
@@ -150,11 +151,20 @@ INLINE void legacy32(const uint8_t *block, int with_min, int with_high, f32x16 w
     if (with_high)
         memcpy(&qh, block + 2 + 2 * with_min, 4);
 #if defined(__AVX512F__)
-    if (!with_high) {
-        const __m512 dq = _mm512_mul_ps(_mm512_set1_ps(d), nibble_lanes(with_min ? 0 : offset));
+    {
+        /* with fifth bits, a second table for the values 16..31, looked up where the bit is set */
+        const int centre = with_min ? 0 : offset;
+        const __m512 dq = _mm512_mul_ps(_mm512_set1_ps(d), nibble_lanes(centre));
+        const __m512 dq16 = _mm512_mul_ps(_mm512_set1_ps(d), nibble_lanes(centre - 16));
         const __m512 table = with_min ? _mm512_add_ps(dq, _mm512_set1_ps(m)) : dq;
-        for (int half = 0; half < 2; half++)
-            w[half] = nibbles16(qs, half, table);
+        const __m512 table16 = with_min ? _mm512_add_ps(dq16, _mm512_set1_ps(m)) : dq16;
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+        for (int half = 0; half < 2; half++) {
+            const __m512i nibbles = half ? _mm512_srli_epi32(bytes, 4) : bytes;
+            const __m512 low = _mm512_permutexvar_ps(nibbles, table);
+            const __mmask16 fifth = (__mmask16)(qh >> (16 * half));
+            w[half] = (f32x16)(with_high ? _mm512_mask_permutexvar_ps(low, fifth, nibbles, table16) : low);
+        }
         return;
     }
 #endif
@@ -241,7 +251,7 @@ INLINE void k32(const uint8_t *block, int i, int with_high, const KScales *k, f3
 #if defined(__AVX512F__)
     if (!with_high) {
         const __m512 dq = _mm512_mul_ps(_mm512_set1_ps(k->d[i]), nibble_lanes(0));
-        const __m512 table = _mm512_sub_ps(dq, _mm512_set1_ps(k->m[i])); /* adding -m, as the others do */
+        const __m512 table = _mm512_sub_ps(dq, _mm512_set1_ps(k->m[i])); /* gguf's d * q - m */
         for (int half = 0; half < 2; half++)
             w[half] = nibbles16(qs + 32 * (i / 2) + 16 * half, i % 2, table);
         return;

@@ -201,8 +201,8 @@ INLINE void fused_group(int qtype, const uint8_t *const *w, int64_t ahead, int c
                     __builtin_prefetch(w[j] + ahead + block_bytes(qtype) * sb + l);
             KScales ks[NB];
             _Pragma("GCC unroll 8") for (int j = 0; j < cols; j++) k_scales(qtype, w[j] + block_bytes(qtype) * sb, &ks[j]);
-            /* kept in memory, each scale is broadcast inside the instruction that uses it; kept in
-             * registers, GCC spent 3-4 shuffles on extracting each (a fifth of Q4_K's instructions) */
+            /* kept in memory, each scale is broadcast inside the AVX-512 instruction that uses it; kept
+             * in registers, GCC spent 3-4 shuffles on extracting each (a fifth of Q4_K's instructions) */
             __asm__("" : "+m"(ks));
             _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++)
                 _Pragma("GCC unroll 8") for (int j = 0; j < cols; j++)
