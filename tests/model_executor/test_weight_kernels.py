@@ -108,14 +108,31 @@ def test_parts_of_different_types_stack(isa: str, rows: int) -> None:
     assert_product_close(y, x, w)
 
 
+# Widths of one slice of weight_gemm.c's columns and of several (its slices are 1,024 or 4,096 columns
+# long, by build), with a partial last one.
+WIDTHS = [768, 2 * 4096 + 256]
+
+
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
-def test_a_rows_result_does_not_depend_on_its_batch(isa: str, qtype: Q) -> None:
-    """Bit for bit, alone or among 97 rows, on one thread or all: what the README promises."""
-    raw = stored(qtype, 50, 768)
+@pytest.mark.parametrize("in_features", WIDTHS)
+def test_product_over_slices_equals_fp64_of_gguf_values(isa: str, qtype: Q, in_features: int) -> None:
+    """A decode row and 150 rows (more than one pass of the tiles over a slice) at both widths."""
+    raw = stored(qtype, 13, in_features)
     weight, keep = one_part(raw, qtype)
-    x = torch.randn(97, 768)
+    for rows in (1, 150):
+        x = torch.randn(rows, in_features)
+        assert_product_close(native.weight_gemm(x, weight, 13), x, torch.from_numpy(reference(raw, qtype)))
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("in_features", WIDTHS)
+def test_a_rows_result_does_not_depend_on_its_batch(isa: str, qtype: Q, in_features: int) -> None:
+    """Bit for bit, alone or among 150 rows, on one thread or all: what the README promises."""
+    raw = stored(qtype, 50, in_features)
+    weight, keep = one_part(raw, qtype)
+    x = torch.randn(150, in_features)
     whole = native.weight_gemm(x, weight, 50)
-    for at in (0, 5, 96):
+    for at in (0, 5, 96, 149):
         assert torch.equal(native.weight_gemm(x[at : at + 1], weight, 50)[0], whole[at])
     with_threads = torch.get_num_threads()
     torch.set_num_threads(1)
