@@ -116,24 +116,29 @@ WIDTHS = [768, 2 * 4096 + 256]
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("in_features", WIDTHS)
 def test_product_over_slices_equals_fp64_of_gguf_values(isa: str, qtype: Q, in_features: int) -> None:
-    """A decode row and 150 rows (more than one pass of the tiles over a slice) at both widths."""
+    """A decode row and 150 rows (more than one pass of the tiles over a slice) at both widths, the bias
+    added once."""
     raw = stored(qtype, 13, in_features)
-    weight, keep = one_part(raw, qtype)
+    bias = torch.randn(13)
+    weight, keep = one_part(raw, qtype, bias)
     for rows in (1, 150):
         x = torch.randn(rows, in_features)
-        assert_product_close(native.weight_gemm(x, weight, 13), x, torch.from_numpy(reference(raw, qtype)))
+        y = native.weight_gemm(x, weight, 13)
+        assert_product_close(y, x, torch.from_numpy(reference(raw, qtype)), bias)
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("in_features", WIDTHS)
 def test_a_rows_result_does_not_depend_on_its_batch(isa: str, qtype: Q, in_features: int) -> None:
-    """Bit for bit, alone or among 150 rows, on one thread or all: what the README promises."""
+    """Bit for bit, alone, among 3 (the register path) or among 150 rows, on one thread or all: what the
+    README promises."""
     raw = stored(qtype, 50, in_features)
     weight, keep = one_part(raw, qtype)
     x = torch.randn(150, in_features)
     whole = native.weight_gemm(x, weight, 50)
-    for at in (0, 5, 96, 149):
+    for at in (0, 5, 96, 147):
         assert torch.equal(native.weight_gemm(x[at : at + 1], weight, 50)[0], whole[at])
+        assert torch.equal(native.weight_gemm(x[at : at + 3], weight, 50), whole[at : at + 3])
     with_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -3,8 +3,9 @@
  *
  * The weight is never widened whole: each thread takes groups of NB output rows and, KC columns at a
  * time, widens one group's slice into a scratch buffer that stays in cache (dequant.c; fp32 rows are
- * read in place), then multiplies it with up to MC rows of x in tiles of MR x NB dot products. A single row reads the weight's stored bytes once, so a decode step streams 4.5-8.5
- * bits a weight, not 32; for many rows the widening is amortised over MC rows.
+ * read in place), then multiplies it with up to MC rows of x in tiles of MR x NB dot products. A single
+ * row reads the weight's stored bytes once, so a decode step streams 4.5-8.5 bits a weight, not 32; for
+ * many rows the widening is amortised over MC rows.
  *
  * Up to FUSED_ROWS rows take a shorter way to the same sums: each 32 weights are widened in registers
  * and multiplied there (dequant.h), never stored and loaded back. At one row the widening can bound a
@@ -29,8 +30,8 @@
  * reductions, y's read and write, the first loads of its MR + NB streams), so on AVX-512 long slices win
  * although the widened slice (NB x KC fp32, 96 KiB) and x's (MC x KC, 2 MiB) then outgrow L1 and L2: on
  * a Zen 4 core a Q4_K [14336, 4096] weight times 512 rows went from 63-77 GFLOP/s at 1,024 x 64 to
- * 91-100 (peak 113), and [576, 1536] from 82 to 96. AVX2 builds measured no clear gain and keep slices
- * whose widened weight (16 KiB) stays in L1. */
+ * 91-101 (peak 113), and [576, 1536] from 82 to 96. Measured on Zen 4 only. AVX2 builds measured no
+ * clear gain; they and the portable build keep slices whose widened weight (16 KiB) stays in L1. */
 #if defined(__AVX512F__)
 #define VL 16
 #define MR 4
