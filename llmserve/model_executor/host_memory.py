@@ -5,8 +5,13 @@ requests, until every block had served once (prefix caching hands out the least 
 so all of them come round): resident memory would climb under load, and a pool the machine cannot
 hold would fail mid-serving instead of at start-up. So the whole pool is faulted in when it is
 allocated, as vLLM's is, and the memory the start-up log announces is the memory the process holds.
-On a thread of its own: first touch cost 0.35-1.75 s per GiB on a Zen 4 VM, 7 s for the default
-4 GiB pool, which start-up does not wait for.
+On a thread of its own, which start-up does not wait for: first touch cost 0.35-1.75 s per GiB on a
+Zen 4 VM, and 6-7 s per GiB on another whose host backs each fresh page as the guest clears it (25 s
+for the default 4 GiB pool, in the kernel's clear_page). The thread runs only on a core the engine
+leaves idle (SCHED_IDLE): at nice 19 it still took its share of one of two cores while the engine
+computed, and 64 SmolLM2 requests sent right after start-up ran at 111-118 output tok/s rather than
+157 (160 with no populating at all). Pages the engine writes before the thread reaches them fault in
+as they are written, as they would with no thread.
 
 In plain 4 KiB pages: on that VM, faulting in transparent huge pages took 6x as long, and 64 sequences
 decoded 8% slower from them (they had measured ~8% faster attention, one part of a step, on a Zen 3
@@ -28,7 +33,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14; not among Python 3.11's mmap constants
-_CHUNK = 2 << 20
+_CHUNK = 256 << 10  # ~1.5 ms of faulting on the slow VM: how long an engine mapping may wait
 
 
 def empty_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -61,8 +66,14 @@ def populate(tensors: list[torch.Tensor]) -> bool:
     return True
 
 
+def run_only_when_idle() -> None:
+    """Puts the calling thread in the idle scheduling class: any runnable thread of normal priority
+    takes the core from it."""
+    os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+
+
 def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread:
-    """`populate` on a thread at the lowest priority; logs how long it took.
+    """`populate` on a thread that runs only when a core is idle; logs how long it took.
 
     Not a daemon: one that drops the last reference to the pool while the interpreter finalizes aborts
     the process (torch's buffer deleter is unwound by the thread's forced exit: "terminate called
@@ -70,7 +81,7 @@ def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread:
     `populate` stops once the main thread has ended."""
 
     def run() -> None:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        run_only_when_idle()
         start = time.perf_counter()
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         if not populate(tensors):

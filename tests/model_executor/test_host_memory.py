@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import torch
 
-from llmserve.model_executor.host_memory import empty_pool, populate, populate_in_background
+from llmserve.model_executor.host_memory import (
+    empty_pool,
+    populate,
+    populate_in_background,
+    run_only_when_idle,
+)
 
 
 def resident_bytes() -> int:
@@ -36,3 +42,18 @@ def test_populate_in_background_ends() -> None:
     thread = populate_in_background([empty_pool((8 << 20,), torch.uint8)])
     thread.join(timeout=60)
     assert not thread.is_alive()
+
+
+def test_the_populating_thread_yields_every_core_to_the_engine() -> None:
+    """Its own thread only: the engine's threads keep their class."""
+    policies: list[int] = []
+
+    def run() -> None:
+        run_only_when_idle()
+        policies.append(os.sched_getscheduler(0))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert policies == [os.SCHED_IDLE]
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
