@@ -84,8 +84,9 @@ async def soak(args: argparse.Namespace, base_url: str, server_pid: int) -> tupl
 
 def settled_rss(server_pid: int, timeout_s: float = 120.0) -> int:
     """The server's resident memory once it stops growing while idle: the KV pool is faulted in by a
-    low-priority thread after start-up (model_executor/host_memory.py), seconds on an idle machine but
-    minutes under a load that starts at once on 2 cores, which would read as growth under load."""
+    thread in the idle scheduling class after start-up (model_executor/host_memory.py), seconds to half a
+    minute on an idle machine, but held back by a load that starts at once and keeps every core busy,
+    which would read as growth under load."""
     deadline = time.monotonic() + timeout_s
     last = sum(process_rss(server_pid).values())
     while time.monotonic() < deadline:

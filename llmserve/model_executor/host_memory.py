@@ -6,12 +6,13 @@ so all of them come round): resident memory would climb under load, and a pool t
 hold would fail mid-serving instead of at start-up. So the whole pool is faulted in when it is
 allocated, as vLLM's is, and the memory the start-up log announces is the memory the process holds.
 On a thread of its own, which start-up does not wait for: first touch cost 0.35-1.75 s per GiB on a
-Zen 4 VM, and 6-7 s per GiB on another whose host backs each fresh page as the guest clears it (25 s
-for the default 4 GiB pool, in the kernel's clear_page). The thread runs only on a core the engine
-leaves idle (SCHED_IDLE): at nice 19 it still took its share of one of two cores while the engine
-computed, and 64 SmolLM2 requests sent right after start-up ran at 111-118 output tok/s rather than
-157 (160 with no populating at all). Pages the engine writes before the thread reaches them fault in
-as they are written, as they would with no thread.
+Zen 4 VM, and 6-7 s per GiB on another whose host backs each fresh page as the guest clears it (24-29
+s for the default 4 GiB pool, in the kernel's clear_page). The thread is in the idle scheduling class
+and faults in 256 KiB at a time. On that VM's 2 cores, with nice 19 and 2 MiB at a time, 64 SmolLM2
+requests sent right after start-up ran at 111-126 output tok/s; now at 150-162 (160 with no
+populating at all); each change alone gave part of that (nice 19 with 256 KiB: 131, 154; the idle
+class with 2 MiB: 140, 149). Pages the engine writes before the thread reaches them fault in as they
+are written, as they would with no thread.
 
 In plain 4 KiB pages: on that VM, faulting in transparent huge pages took 6x as long, and 64 sequences
 decoded 8% slower from them (they had measured ~8% faster attention, one part of a step, on a Zen 3
@@ -33,7 +34,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14; not among Python 3.11's mmap constants
-_CHUNK = 256 << 10  # ~1.5 ms of faulting on the slow VM: how long an engine mapping may wait
+# What an engine mapping may wait for (populate): ~1.6 ms of faulting on the slow VM once the thread
+# has a core, longer while the engine's threads keep it from one.
+_CHUNK = 256 << 10
 
 
 def empty_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -67,13 +70,18 @@ def populate(tensors: list[torch.Tensor]) -> bool:
 
 
 def run_only_when_idle() -> None:
-    """Puts the calling thread in the idle scheduling class: any runnable thread of normal priority
-    takes the core from it."""
-    os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+    """Puts the calling thread in the idle scheduling class, where it gets a core almost only when no
+    thread of normal priority wants it; at nice 19 where the system refuses that (a seccomp profile, a
+    kernel without the class)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError) as e:
+        logger.info("The KV cache's populate thread runs at nice 19 (no idle scheduling class: %s).", e)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread:
-    """`populate` on a thread that runs only when a core is idle; logs how long it took.
+    """`populate` on a thread that runs almost only when a core is idle; logs how long it took.
 
     Not a daemon: one that drops the last reference to the pool while the interpreter finalizes aborts
     the process (torch's buffer deleter is unwound by the thread's forced exit: "terminate called

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
+import pytest
 import torch
 
-from llmserve.model_executor.host_memory import (
-    empty_pool,
-    populate,
-    populate_in_background,
-    run_only_when_idle,
-)
+from llmserve.model_executor import host_memory
+from llmserve.model_executor.host_memory import empty_pool, populate, populate_in_background
 
 
 def resident_bytes() -> int:
@@ -44,16 +40,16 @@ def test_populate_in_background_ends() -> None:
     assert not thread.is_alive()
 
 
-def test_the_populating_thread_yields_every_core_to_the_engine() -> None:
-    """Its own thread only: the engine's threads keep their class."""
+def test_the_populating_thread_yields_every_core_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its own thread only: the caller's threads keep their class."""
     policies: list[int] = []
 
-    def run() -> None:
-        run_only_when_idle()
+    def recording(tensors: list[torch.Tensor]) -> bool:
         policies.append(os.sched_getscheduler(0))
+        return True
 
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
+    monkeypatch.setattr(host_memory, "populate", recording)
+    before = os.sched_getscheduler(0)
+    populate_in_background([empty_pool((4096,), torch.uint8)]).join(timeout=60)
     assert policies == [os.SCHED_IDLE]
-    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    assert os.sched_getscheduler(0) == before
