@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,20 @@ def test_the_populating_thread_yields_every_core_to_the_engine(monkeypatch: pyte
     populate_in_background([empty_pool((4096,), torch.uint8)]).join(timeout=60)
     assert policies == [os.SCHED_IDLE]
     assert os.sched_getscheduler(0) == before
+
+
+def test_where_the_idle_class_is_refused_the_thread_runs_at_nice_19(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A seccomp profile may refuse SCHED_IDLE: the pool must still be faulted in, at the lowest priority."""
+    seen: list[tuple[int, int]] = []
+
+    def refuse(pid: int, policy: int, param: os.sched_param) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    def recording(tensors: list[torch.Tensor]) -> bool:
+        seen.append((os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        return True
+
+    monkeypatch.setattr(host_memory.os, "sched_setscheduler", refuse)
+    monkeypatch.setattr(host_memory, "populate", recording)
+    populate_in_background([empty_pool((4096,), torch.uint8)]).join(timeout=60)
+    assert seen == [(os.SCHED_OTHER, 19)]
