@@ -189,15 +189,17 @@ INLINE void group_scales(int qtype, const uint8_t *row, int64_t s, int n, __m256
     *offsets = with_min ? _mm256_cvtph_ps(m) : _mm256_mul_ps(_mm256_set1_ps(centre), *w8);
 }
 
-/* Asks for the `bytes` at `at` + PREFETCH_AHEAD. A weight's rows are one run of memory, but the hardware
- * prefetchers lose the stream in some layouts: one Zen 5 core read a [4096, 14336] Q6_K weight from DRAM
- * at 9 GB/s, where the same rows in L2 went at 27; asked for 8 KiB ahead, at 19-27 (two cores: 16 -> 43
- * GB/s, and Q4_K 30 -> 36). */
+/* Asks for the `bytes` at `at` + PREFETCH_AHEAD, into L2. A weight's rows are one run of memory, but the
+ * hardware prefetchers lose the stream in some layouts: one Zen 5 core read a [4096, 14336] Q6_K weight
+ * from DRAM at 9 GB/s, where the same rows in L2 went at 27; asked for 8 KiB ahead, at 19-27 (two cores:
+ * 16 -> 43 GB/s, and Q4_K 30 -> 36). Into L2, not L1: a long row's int8 x (14 KiB at 14336 inputs, with
+ * its scales 18) and 8 KiB of weights in flight do not fit beside each other in a 32 KiB L1, and on Zen 4
+ * two cores read such a Q4_K weight at 20-22 GB/s so, 26-31 into L2. */
 #define PREFETCH_AHEAD 8192
 INLINE void prefetch_ahead(const uint8_t *at, int64_t bytes)
 {
     for (int64_t b = 0; b < bytes; b += 64)
-        __builtin_prefetch(at + PREFETCH_AHEAD + b);
+        __builtin_prefetch(at + PREFETCH_AHEAD + b, 0, 2);
 }
 
 #define GROUP_ROWS 4 /* rows of x per pass over a weight row */
