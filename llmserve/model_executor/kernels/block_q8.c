@@ -2,7 +2,8 @@
  * type we read, as llama.cpp computes them: `--quantization gguf` keeps a GGUF's blocks and multiplies
  * them so; `int8|int4` first round the weights into Q8_0/Q4_1 blocks at load.
  *
- * Rounded to int8, 32 activations meet 32 weights in two integer multiply-adds instead of 32 widened
+ * Rounded to int8, 32 activations meet 32 weights in two integer multiply-adds (one with AVX-512 VNNI,
+ * whose sums equal the two's: no pair of products here reaches the int16 bound) instead of 32 widened
  * floats. Decode steps of up to `block_rows` rows take this path (decoder_step.c); larger batches round
  * their activations the same way (`round_rows`) before weight_gemm.c, so that outputs do not depend on
  * the batch size. The default keeps fp32 activations (weight_gemm.c at every size).
@@ -68,7 +69,11 @@ INLINE __m256i chunk_dot(int qtype, __m256i v, const int8_t *q)
         x = _mm256_sign_epi8(x, v);
         v = _mm256_sign_epi8(v, v);
     }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), v, x);
+#else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(v, x), _mm256_set1_epi16(1));
+#endif
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512DQ__)
@@ -131,7 +136,11 @@ INLINE __m512i pair_dot(int qtype, __m512i v, const int8_t *q)
         x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(v), _mm512_setzero_si512(), x);
         v = _mm512_abs_epi8(v);
     }
+#ifdef __AVX512VNNI__
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, x);
+#else
     return _mm512_madd_epi16(_mm512_maddubs_epi16(v, x), _mm512_set1_epi16(1));
+#endif
 }
 #endif
 

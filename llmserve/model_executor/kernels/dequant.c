@@ -15,7 +15,11 @@ const char *kernels_isa(void)
 {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512CD__) && defined(__AVX512DQ__) && \
     defined(__AVX512VL__)
+#ifdef __AVX512VNNI__
+    return "avx512_vnni";
+#else
     return "avx512";
+#endif
 #elif defined(USE_AVX2)
     return "avx2";
 #else

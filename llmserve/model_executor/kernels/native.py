@@ -2,13 +2,13 @@
 
 Plain C rather than a PyTorch C++ extension: against torch's headers a build takes about a minute on a
 small machine, this one well under a second. The same sources are compiled once per instruction set
-(`ISAS`: AVX-512, AVX2, and portable C), and the best the CPU has is chosen at start-up and logged;
-`LLMSERVE_CPU_ISA=avx2` (or `generic`) forces a lower one, which is how the tests cover every variant on
-one machine. Without a compiler the callers keep the PyTorch path, with a warning; with
-`LLMSERVE_REQUIRE_NATIVE=1` (as CI sets) a build or load failure is an error carrying the compiler's
-output instead. build.py compiles; structs.py holds the ctypes structs, checked against the C layout at
-load. The wrappers check what they pass (dtypes, contiguity, shapes) and the kernels the block tables'
-bounds, raising ValueError: a wrong tensor would otherwise be read as raw memory.
+(`ISAS`: AVX-512 with and without VNNI, AVX2, and portable C), and the best the CPU has is chosen at
+start-up and logged; `LLMSERVE_CPU_ISA=avx2` (or `generic`) forces a lower one, which is how the tests
+cover every variant on one machine. Without a compiler the callers keep the PyTorch path, with a
+warning; with `LLMSERVE_REQUIRE_NATIVE=1` (as CI sets) a build or load failure is an error carrying the
+compiler's output instead. build.py compiles; structs.py holds the ctypes structs, checked against the C
+layout at load. The wrappers check what they pass (dtypes, contiguity, shapes) and the kernels the block
+tables' bounds, raising ValueError: a wrong tensor would otherwise be read as raw memory.
 
 - `dequant.c`: rows of a weight in its stored format (GGUF blocks, fp16, bf16) widened to fp32.
 - `weight_gemm.c`: fp32 rows times a weight in its stored format, at any number of rows.
@@ -48,9 +48,13 @@ _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
 # Instruction set → (the CPU flags it needs, its compiler flags), best first. x86-64-v4 is AVX-512
-# F/BW/CD/DQ/VL; v3 is AVX2 with FMA and F16C. On other CPUs only `generic`, built for the host.
+# F/BW/CD/DQ/VL; `avx512_vnni` adds the int8 multiply-add that block_q8.c's products take in one
+# instruction (Ice Lake, Zen 4 and later); v3 is AVX2 with FMA and F16C. On other CPUs only `generic`,
+# built for the host.
+_AVX512 = frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})
 ISAS: dict[str, tuple[frozenset[str], list[str]]] = {
-    "avx512": (frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}), ["-march=x86-64-v4"]),
+    "avx512_vnni": (_AVX512 | {"avx512_vnni"}, ["-march=x86-64-v4", "-mavx512vnni"]),
+    "avx512": (_AVX512, ["-march=x86-64-v4"]),
     "avx2": (frozenset({"avx2", "fma", "f16c", "bmi2", "movbe"}), ["-march=x86-64-v3"]),
     "generic": (frozenset(), ["-march=x86-64"] if platform.machine() in ("x86_64", "AMD64") else ["-O3"]),
 }
