@@ -114,7 +114,11 @@ INLINE __m512i pair_values(int qtype, const uint8_t *group, int i)
         const __m512i top = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * t))),
                                                _mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * t + 2)), 1);
         const __m512i v = _mm512_or_si512(nibble, _mm512_slli_epi16(_mm512_and_si512(top, _mm512_set1_epi8(3)), 4));
+#ifdef __AVX512VNNI__
+        return v; /* pair_dot takes the centre off */
+#else
         return _mm512_sub_epi8(v, _mm512_set1_epi8(32));
+#endif
     }
     const int with_high = qtype == Q5_K;
     const __m256i bytes = _mm256_loadu_si256((const __m256i *)(block + 16 + 32 * with_high + 32 * (i / 2)));
@@ -132,6 +136,12 @@ INLINE __m512i pair_values(int qtype, const uint8_t *group, int i)
 INLINE __m512i pair_dot(int qtype, __m512i v, const int8_t *q)
 {
     __m512i x = _mm512_loadu_si512((const void *)q);
+#ifdef __AVX512VNNI__
+    if (qtype == Q6_K) { /* v unsigned, 0-63: its centre 32 comes off as 32 times x's sums, in integers */
+        const __m512i centre = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(32), x);
+        return _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v, x), centre);
+    }
+#endif
     if (is_signed(qtype)) {
         x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(v), _mm512_setzero_si512(), x);
         v = _mm512_abs_epi8(v);
