@@ -20,6 +20,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "gated_activation.h"
 #include "kernels.h"
@@ -134,8 +135,13 @@ static void project(const Weight *p, const Step *t, int64_t out, float *y, int a
     }
 }
 
+/* Intermediate features whose activations a decode step computes together: one at a time, a single
+ * row's took a whole vector each (9% of a Qwen 0.5B step). */
+#define ACT_GROUP 16
+
 /* h = act(gate) * up for this thread's share of the intermediate features (gate and up read together
- * from the blocks), or of the rows (after weight_gemm.c's product of both). */
+ * from the blocks, ACT_GROUP features at a time), or of the rows (after weight_gemm.c's product of
+ * both). */
 static void gate_up_act(const Weight *p, const Step *t, int64_t inter, int64_t activation, float *h)
 {
     if (!t->read_blocks) {
@@ -147,18 +153,28 @@ static void gate_up_act(const Weight *p, const Step *t, int64_t inter, int64_t a
         return;
     }
     const BlockInput *x = &t->input;
-    const int64_t rows = x->rows, chunk = share_rows(p, x->in, 2, inter, omp_get_num_threads());
+    const int64_t rows = x->rows, groups = (inter + ACT_GROUP - 1) / ACT_GROUP;
+    const int64_t chunk = (share_rows(p, x->in, 2, inter, omp_get_num_threads()) + ACT_GROUP - 1) / ACT_GROUP;
 #pragma omp for schedule(guided, chunk)
-    for (int64_t o = 0; o < inter; o++) {
-        float gate[BLOCK_GEMV_MAX_ROWS], up[BLOCK_GEMV_MAX_ROWS], act[BLOCK_GEMV_MAX_ROWS];
-        int gate_type, up_type;
-        const uint8_t *gate_row = block_row(p, o, x->in, &gate_type);
-        const uint8_t *up_row = block_row(p, inter + o, x->in, &up_type);
-        q8_dot_rows(x, gate_row, gate_type, gate);
-        q8_dot_rows(x, up_row, up_type, up);
-        gated_act(gate, up, rows, activation, act);
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t o0 = g * ACT_GROUP, n = inter - o0 < ACT_GROUP ? inter - o0 : ACT_GROUP;
+        float gate[ACT_GROUP * BLOCK_GEMV_MAX_ROWS], up[ACT_GROUP * BLOCK_GEMV_MAX_ROWS];
+        float act[ACT_GROUP * BLOCK_GEMV_MAX_ROWS];
+        for (int64_t j = 0; j < n; j++) {
+            float gate_acc[BLOCK_GEMV_MAX_ROWS], up_acc[BLOCK_GEMV_MAX_ROWS];
+            int gate_type, up_type;
+            const uint8_t *gate_row = block_row(p, o0 + j, x->in, &gate_type);
+            const uint8_t *up_row = block_row(p, inter + o0 + j, x->in, &up_type);
+            q8_dot_rows(x, gate_row, gate_type, gate_acc);
+            q8_dot_rows(x, up_row, up_type, up_acc);
+            for (int64_t r = 0; r < rows; r++) {
+                gate[r * n + j] = gate_acc[r];
+                up[r * n + j] = up_acc[r];
+            }
+        }
+        gated_act(gate, up, rows * n, activation, act);
         for (int64_t r = 0; r < rows; r++)
-            h[r * inter + o] = act[r];
+            memcpy(h + r * inter + o0, act + r * n, sizeof(float) * (size_t)n);
     }
 }
 
