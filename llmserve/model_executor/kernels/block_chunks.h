@@ -7,7 +7,8 @@
 
 /* Every block type reads as chunks of 32 weights w = scale[h] * v + offset, v integers (h: which 16 of
  * the 32): unsigned below 64 for most types, whose minimum or centre goes to `offset` and meets x's
- * sum(q) term; int8 for Q8_0 and Q6_K (their centre is inside v). For Q4_K/Q5_K a chunk is a sub-block,
+ * sum(q) term; int8 for Q8_0 and Q6_K (their centre is inside v; block_q8.c's VNNI products read Q6_K
+ * unsigned and take the centre off in integers). For Q4_K/Q5_K a chunk is a sub-block,
  * for Q6_K two of its sub-blocks of 16, and the scales are the super-block's (dequant.h's k_scales). */
 INLINE int is_signed(int qtype)
 {

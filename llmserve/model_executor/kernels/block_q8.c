@@ -2,9 +2,9 @@
  * type we read, as llama.cpp computes them: `--quantization gguf` keeps a GGUF's blocks and multiplies
  * them so; `int8|int4` first round the weights into Q8_0/Q4_1 blocks at load.
  *
- * Rounded to int8, 32 activations meet 32 weights in two integer multiply-adds (one with AVX-512 VNNI,
- * whose sums equal the two's: no pair of products here reaches the int16 bound) instead of 32 widened
- * floats. Decode steps of up to `block_rows` rows take this path (decoder_step.c); larger batches round
+ * Rounded to int8, 32 activations meet 32 weights in two integer multiply-adds instead of 32 widened
+ * floats; with AVX-512 VNNI in one (Q6_K: two and a subtract), whose sums equal the two's: x lies in
+ * [-127, 127], so no pair of products reaches the int16 bound. Decode steps of up to `block_rows` rows take this path (decoder_step.c); larger batches round
  * their activations the same way (`round_rows`) before weight_gemm.c, so that outputs do not depend on
  * the batch size. The default keeps fp32 activations (weight_gemm.c at every size).
  *
@@ -78,7 +78,7 @@ INLINE __m256i chunk_dot(int qtype, __m256i v, const int8_t *q)
 
 #if defined(__AVX512BW__) && defined(__AVX512DQ__)
 /* Chunks i and i + 1 (i even) of the group of 8 that starts at `group` (a K type's super-block) as one
- * vector: i in the low half. */
+ * vector: i in the low half. With VNNI, Q6_K's come unsigned (0-63; pair_dot takes the centre off). */
 INLINE __m512i pair_values(int qtype, const uint8_t *group, int i)
 {
     const __m512i low4 = _mm512_set1_epi8(0x0f);

@@ -3,12 +3,12 @@
 Plain C rather than a PyTorch C++ extension: against torch's headers a build takes about a minute on a
 small machine, this one well under a second. The same sources are compiled once per instruction set
 (`ISAS`: AVX-512 with and without VNNI, AVX2, and portable C), and the best the CPU has is chosen at
-start-up and logged; `LLMSERVE_CPU_ISA=avx2` (or `generic`) forces a lower one, which is how the tests
-cover every variant on one machine. Without a compiler the callers keep the PyTorch path, with a
-warning; with `LLMSERVE_REQUIRE_NATIVE=1` (as CI sets) a build or load failure is an error carrying the
-compiler's output instead. build.py compiles; structs.py holds the ctypes structs, checked against the C
-layout at load. The wrappers check what they pass (dtypes, contiguity, shapes) and the kernels the block
-tables' bounds, raising ValueError: a wrong tensor would otherwise be read as raw memory.
+start-up and logged; `LLMSERVE_CPU_ISA=avx512` (or `avx2`, `generic`) forces a lower one, which is how
+the tests cover every variant on one machine. Without a compiler the callers keep the PyTorch path, with
+a warning; with `LLMSERVE_REQUIRE_NATIVE=1` (as CI sets) a build or load failure is an error carrying
+the compiler's output instead. build.py compiles; structs.py holds the ctypes structs, checked against
+the C layout at load. The wrappers check what they pass (dtypes, contiguity, shapes) and the kernels the
+block tables' bounds, raising ValueError: a wrong tensor would otherwise be read as raw memory.
 
 - `dequant.c`: rows of a weight in its stored format (GGUF blocks, fp16, bf16) widened to fp32.
 - `weight_gemm.c`: fp32 rows times a weight in its stored format, at any number of rows.
