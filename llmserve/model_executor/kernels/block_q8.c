@@ -4,9 +4,10 @@
  *
  * Rounded to int8, 32 activations meet 32 weights in two integer multiply-adds instead of 32 widened
  * floats; with AVX-512 VNNI in one (Q6_K: two and a subtract), whose sums equal the two's: x lies in
- * [-127, 127], so no pair of products reaches the int16 bound. Decode steps of up to `block_rows` rows take this path (decoder_step.c); larger batches round
- * their activations the same way (`round_rows`) before weight_gemm.c, so that outputs do not depend on
- * the batch size. The default keeps fp32 activations (weight_gemm.c at every size).
+ * [-127, 127], so no pair of products reaches the int16 bound. Decode steps of up to `block_rows` rows
+ * take this path (decoder_step.c); larger batches round their activations the same way (`round_rows`)
+ * before weight_gemm.c, so that outputs do not depend on the batch size. The default keeps fp32
+ * activations (weight_gemm.c at every size).
  *
  * A row block: scale s = max |x| / 127, q = round-half-even(x / s) (as x * (1 / s)), and s * sum(q) for
  * the terms of the weights' minimums and centres. The weights' layouts are dequant.h's.
