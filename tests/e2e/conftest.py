@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from llmserve import LLM
 from llmserve.model_executor.loader import resolve_model
+from tests.e2e.greedy_reference import load_hf_gguf
 
 # Fixed prompts of mixed lengths and kinds (prose, code, a list, chat-formatted, numbers).
 PROMPTS = [
@@ -35,14 +35,10 @@ def llm() -> Iterator[LLM]:
 
 @pytest.fixture(scope="session")
 def hf_model(default_model_path: Path) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
-    )
+    model = load_hf_gguf(default_model_path)
     model.generation_config.eos_token_id = None  # generate the full length, as ignore_eos does
     model.generation_config.pad_token_id = 2
-    return model.eval()
+    return model
 
 
 @pytest.fixture(scope="session")

@@ -5,20 +5,22 @@ the GGUF and generating the reference."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import gguf
 import openai
 import pytest
-import torch
 
 from llmserve import LLM, RequestOutput, SamplingParams
 from llmserve.model_executor.loader import resolve_model
 from llmserve.model_executor.loader.model_source import GEMMA_3_270M
-from tests.e2e.greedy_reference import Reference, assert_matches_hf, assert_top_logprobs_match, hf_greedy
+from tests.e2e.greedy_reference import (
+    Reference,
+    assert_matches_hf,
+    assert_top_logprobs_match,
+    hf_forced_references,
+    load_hf_gguf,
+)
 from tests.entrypoints.remote_server import RemoteServer
 
 NAME = "gemma-3-270m"
@@ -77,49 +79,12 @@ def gemma_outputs(gemma_llm: LLM) -> list[RequestOutput]:
 
 @pytest.fixture(scope="module")
 def references(gemma_gguf_path: Path, gemma_outputs: list[RequestOutput]) -> list[Reference]:
-    from transformers import AutoModelForCausalLM
-
-    with pytest.MonkeyPatch.context() as patch:
-        # transformers parses the file's metadata twice, for the config and then for the tensors, each
-        # time a numpy view per element of every array (~20 s for this 262k-token vocabulary); the
-        # second parse is the first one's, unchanged (the reader only reads).
-        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
-        model: Any = AutoModelForCausalLM.from_pretrained(
-            gemma_gguf_path.parent,
-            gguf_file=gemma_gguf_path.name,
-            dtype=torch.float32,
-            attn_implementation="eager",
-        )
+    model = load_hf_gguf(gemma_gguf_path, attn_implementation="eager")
     assert model.config.layer_types[:6] == ["sliding_attention"] * 5 + ["full_attention"]
     assert model.config.sliding_window == WINDOW
-    model.generation_config.eos_token_id = None  # the full length, as ignore_eos does
-    model.generation_config.pad_token_id = 0
-    model.eval()
-    *short, long = [out.prompt_token_ids for out in gemma_outputs]
-    refs = hf_greedy_batch(model, short, NUM_TOKENS) + [hf_greedy(model, long, NUM_TOKENS)]
+    refs = hf_forced_references(model, gemma_outputs)
     del model
     return refs
-
-
-@torch.no_grad()
-def hf_greedy_batch(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[Reference]:
-    """`hf_greedy` of prompts of similar lengths in one batch, left-padded and masked out: each row as it
-    would be alone up to the order of the sums (~1e-5 in a logprob), in a third of the time."""
-    width = max(map(len, prompts))
-    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = model.generate(
-        input_ids,
-        attention_mask=attention_mask,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    return [
-        Reference(out.sequences[i, width:].tolist(), [step[i].float().log_softmax(-1) for step in out.logits])
-        for i in range(len(prompts))
-    ]
 
 
 def test_the_model_resolves_by_its_hugging_face_name(gemma_gguf_path: Path) -> None:

@@ -12,11 +12,16 @@ from typing import Any
 
 import openai
 import pytest
-import torch
 
 from llmserve import LLM, RequestOutput, SamplingParams
 from llmserve.model_executor.kernels import native
-from tests.e2e.greedy_reference import Reference, assert_matches_hf, assert_top_logprobs_match, hf_greedy
+from tests.e2e.greedy_reference import (
+    Reference,
+    assert_matches_hf,
+    assert_top_logprobs_match,
+    hf_forced_references,
+    load_hf_gguf,
+)
 from tests.e2e.logprob_drift import prompt_logprob_drifts
 from tests.entrypoints.remote_server import RemoteServer
 
@@ -64,18 +69,13 @@ def qwen_outputs(qwen_llm: LLM) -> list[RequestOutput]:
 
 
 @pytest.fixture(scope="module")
-def references(qwen_gguf_path: Path, qwen_outputs: list[RequestOutput]) -> list[Reference]:
-    from transformers import AutoModelForCausalLM
+def hf_qwen(qwen_gguf_path: Path) -> Any:
+    return load_hf_gguf(qwen_gguf_path)
 
-    model: Any = AutoModelForCausalLM.from_pretrained(
-        qwen_gguf_path.parent, gguf_file=qwen_gguf_path.name, dtype=torch.float32
-    )
-    model.generation_config.eos_token_id = None  # the full length, as ignore_eos does
-    model.generation_config.pad_token_id = 0
-    model.eval()
-    refs = [hf_greedy(model, out.prompt_token_ids, NUM_TOKENS) for out in qwen_outputs]
-    del model
-    return refs
+
+@pytest.fixture(scope="module")
+def references(hf_qwen: Any, qwen_outputs: list[RequestOutput]) -> list[Reference]:
+    return hf_forced_references(hf_qwen, qwen_outputs)
 
 
 def assert_matches(llm: LLM, outputs: list[RequestOutput], references: list[Reference]) -> None:
@@ -91,15 +91,14 @@ def test_greedy_output_equals_transformers(
     assert len({tuple(out.outputs[0].token_ids) for out in qwen_outputs}) == len(qwen_outputs)
 
 
-def test_the_avx2_build_gives_the_same_outputs(
-    references: list[Reference], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_avx2_build_gives_the_same_outputs(hf_qwen: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     if "avx2" not in native.supported_isas():
         pytest.fail("this CPU runs no AVX2: the test needs an x86-64-v3 machine")
     monkeypatch.setenv("LLMSERVE_CPU_ISA", "avx2")  # the engine core inherits it
     llm = make_llm()
     try:
-        assert_matches(llm, run(llm), references)
+        outputs = run(llm)
+        assert_matches(llm, outputs, hf_forced_references(hf_qwen, outputs))
     finally:
         llm.shutdown()
 
