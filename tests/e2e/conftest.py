@@ -1,17 +1,15 @@
-"""The real default model, loaded once per session: by us, and by Hugging Face as the reference; and
-the path of Gemma 3 270M."""
+"""The real default model, loaded once per session by us (tests/conftest.py's hf_model is Hugging Face's
+reference); and the path of Gemma 3 270M."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from llmserve import LLM
 from llmserve.model_executor.loader import resolve_model
-from tests.e2e.greedy_reference import load_hf_gguf
 
 # Fixed prompts of mixed lengths and kinds (prose, code, a list, chat-formatted, numbers).
 PROMPTS = [
@@ -31,14 +29,6 @@ def llm() -> Iterator[LLM]:
     engine = LLM(kv_cache_memory=512 << 20, max_num_seqs=128, dtype="float32")  # HF reference: fp32
     yield engine
     engine.shutdown()
-
-
-@pytest.fixture(scope="session")
-def hf_model(default_model_path: Path) -> Any:
-    model = load_hf_gguf(default_model_path)
-    model.generation_config.eos_token_id = None  # generate the full length, as ignore_eos does
-    model.generation_config.pad_token_id = 2
-    return model
 
 
 @pytest.fixture(scope="session")

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from llmserve.model_executor.loader import load_tokenizer, resolve_model
@@ -23,16 +20,6 @@ def server(default_model_path: object) -> Iterator[RemoteServer]:
     remote = RemoteServer(SERVER_ARGS)
     yield remote
     remote.stop()
-
-
-@pytest.fixture(scope="module")
-def hf_model(default_model_path: Path) -> Any:
-    """Hugging Face transformers on the same GGUF in fp32: the reference for logprobs."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
-    ).eval()
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -318,13 +319,8 @@ def _write_blocks_gguf(
 
 
 @pytest.fixture(scope="module")
-def hf_state_dict(default_model_path: Path) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32
-    )
-    return model.state_dict()
+def hf_state_dict(hf_model: Any) -> dict[str, torch.Tensor]:
+    return hf_model.state_dict()
 
 
 def test_default_model_weights_match_transformers(
