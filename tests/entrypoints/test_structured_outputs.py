@@ -242,7 +242,7 @@ def test_every_json_schema_output_validates_offline() -> None:
         for mode in (GREEDY, SAMPLED)
         for _, schema in SCHEMAS
     ]
-    with LLM(MODEL, kv_cache_memory=1 << 30, max_model_len=1024, num_threads=1) as llm:
+    with LLM(MODEL, kv_cache_memory=1 << 30, max_model_len=1024) as llm:
         outputs = [o.outputs[0] for o in llm.chat(prompts, params, use_tqdm=False)]
     pairs = [(o.text, o.finish_reason) for o in outputs]
     check_json(pairs[: len(SCHEMAS)], "offline, greedy")
