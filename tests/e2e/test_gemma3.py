@@ -1,7 +1,7 @@
 """Gemma 3 270M (the base model, Q4_K_M) as people download it: greedy completions equal `transformers`
 fp32 on the same GGUF token for token, top-5 logprobs within 1e-3, one prompt longer than the 512-token
 window of its local layers; through the OpenAI server too. Takes ~1 min, most of it transformers reading
-the GGUF and generating the reference."""
+the GGUF."""
 
 from __future__ import annotations
 
