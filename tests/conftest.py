@@ -1,5 +1,5 @@
-"""Models on disk for the tests: a tiny random Llama (HF folder and GGUF), the packaged default, and
-Qwen2.5-Coder-0.5B-Instruct joined from its PyPI parts."""
+"""Models on disk for the tests: a tiny random Llama (HF folder and GGUF), the packaged default (and
+transformers' model of it), and Qwen2.5-Coder-0.5B-Instruct joined from its PyPI parts."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 
 from llmserve.model_executor.kernels import native
 from llmserve.model_executor.loader import resolve_model
-from tests.e2e.greedy_reference import load_hf_gguf
 from tests.fixtures.tiny_llama import write_gguf, write_tiny_llama_hf
+from tests.hf_gguf import load_hf_gguf
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,8 @@ top-1 and top-2 logprobs are less than NEAR_TIE_NATS apart and we chose its seco
 alone can flip such a choice, and the two sequences part there. The comparison does not stop at the
 near-tie: it goes on along the reference's tokens, and our greedy choice at each later position, given the
 prompt and the reference's tokens before it (one prefill with prompt logprobs), must be the reference's
-token. A second difference anywhere fails.
+token. A reference forced along our tokens (transformers' choice at each position given ours before it)
+goes on along ours instead. A second difference anywhere fails.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def assert_greedy_match(
     """Assert the rule above; return the near-tie's position, or None when every token matched.
 
     `top2(i)` gives the reference's top two at position i; `ours_along_reference()` gives our choices
-    teacher-forced on the reference's tokens (called only after a near-tie); `near_tie` is wider where
-    the runs round differently (bf16)."""
+    teacher-forced on the reference's tokens, or our own tokens where the reference was forced along them
+    (called only after a near-tie); `near_tie` is wider where the runs round differently (bf16)."""
     assert len(ours) == len(reference), f"lengths differ: ours {len(ours)}, reference {len(reference)}"
     tie = next((i for i, (a, b) in enumerate(zip(ours, reference)) if a != b), None)
     if tie is None:
@@ -75,7 +76,7 @@ def assert_greedy_match(
     along = list(ours_along_reference())
     later = [j for j in range(tie + 1, len(reference)) if along[j] != reference[j]]
     assert not later, (
-        f"after the near-tie at token {tie}, our choices along the reference's tokens differ at {later}: "
+        f"after the near-tie at token {tie}, ours and the reference's choices differ at {later}: "
         f"ours {[along[j] for j in later]}, reference {[reference[j] for j in later]}"
     )
     return tie

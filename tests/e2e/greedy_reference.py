@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import gguf
-import pytest
 import torch
 
 from llmserve import LLM
@@ -20,22 +16,9 @@ from tests.greedy_match import Top2, assert_greedy_match, our_choices_along
 class Reference:
     token_ids: list[int]
     logprobs: list[torch.Tensor]  # per generated position, [vocab] log_softmax of fp32 logits
-    forced_on_ours: bool = False  # position i's logprobs follow our tokens before i, not token_ids
-
-
-def load_hf_gguf(path: Path, **kwargs: Any) -> Any:
-    """transformers' fp32 model read from a GGUF file by transformers itself, the reference's weights."""
-    from transformers import AutoModelForCausalLM
-
-    with pytest.MonkeyPatch.context() as patch:
-        # transformers parses the file's metadata twice, for the config and then for the tensors, each
-        # time a numpy view per element of every array (~20 s for a 262k-token vocabulary); the second
-        # parse is the first one's, unchanged (the reader only reads).
-        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
-        model = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32, **kwargs
-        )
-    return model.eval()
+    # The tokens of ours it was forced along (hf_teacher_forced), or None for a sequence of HF's own:
+    # then position i's choice and logprobs follow those tokens before i, not token_ids.
+    forced_along: list[int] | None = None
 
 
 @torch.no_grad()
@@ -62,9 +45,12 @@ def assert_matches_hf(llm: LLM, ours: RequestOutput, ref: Reference) -> int | No
         values, indices = ref.logprobs[i].topk(2)
         return Top2(int(indices[0]), float(values[0]), int(indices[1]), float(values[1]))
 
+    if ref.forced_along is not None:  # a reference forced along another run proves nothing of this one
+        assert list(completion.token_ids) == ref.forced_along, "the reference follows another run's tokens"
+
     def along() -> list[int]:
-        if ref.forced_on_ours:  # its later positions already follow our tokens: compare them directly
-            return list(completion.token_ids)
+        if ref.forced_along is not None:  # its later positions already follow our tokens: compare them
+            return ref.forced_along
         return our_choices_along(llm, ours.prompt_token_ids, ref.token_ids)
 
     return assert_greedy_match(completion.token_ids, ref.token_ids, top2, along)
@@ -76,12 +62,15 @@ def hf_teacher_forced(model: Any, prompt_ids: list[int], generated: list[int]) -
     generate() loop. Up to the first divergence this is exactly HF's greedy continuation."""
     logits = model(torch.tensor([prompt_ids + generated])).logits[0, len(prompt_ids) - 1 : -1]
     logprobs = logits.float().log_softmax(-1)
-    return Reference(logprobs.argmax(-1).tolist(), list(logprobs), forced_on_ours=True)
+    return Reference(logprobs.argmax(-1).tolist(), list(logprobs), forced_along=list(generated))
 
 
-def hf_forced_references(model: Any, outputs: list[RequestOutput]) -> list[Reference]:
-    """hf_teacher_forced along each of our greedy outputs: one forward pass a prompt where generate()
-    takes one a token (32 tokens of Qwen2.5-0.5B: 0.7 s instead of 6)."""
+def hf_forced_references(model: Any, outputs: list[RequestOutput], num_tokens: int) -> list[Reference]:
+    """hf_teacher_forced along each of our greedy outputs, which must be num_tokens long (a reference
+    from generate() would be): one forward pass a prompt where generate() takes one a token (32 tokens
+    of Qwen2.5-0.5B: 0.7 s instead of 6). Each reference holds only for the output it was forced along."""
+    for out in outputs:
+        assert len(out.outputs[0].token_ids) == num_tokens, (out.prompt, out.outputs[0])
     return [hf_teacher_forced(model, out.prompt_token_ids, list(out.outputs[0].token_ids)) for out in outputs]
 
 

@@ -19,9 +19,9 @@ from tests.e2e.greedy_reference import (
     assert_matches_hf,
     assert_top_logprobs_match,
     hf_forced_references,
-    load_hf_gguf,
 )
 from tests.entrypoints.remote_server import RemoteServer
+from tests.hf_gguf import load_hf_gguf
 
 NAME = "gemma-3-270m"
 NUM_TOKENS = 32
@@ -82,7 +82,7 @@ def references(gemma_gguf_path: Path, gemma_outputs: list[RequestOutput]) -> lis
     model = load_hf_gguf(gemma_gguf_path, attn_implementation="eager")
     assert model.config.layer_types[:6] == ["sliding_attention"] * 5 + ["full_attention"]
     assert model.config.sliding_window == WINDOW
-    refs = hf_forced_references(model, gemma_outputs)
+    refs = hf_forced_references(model, gemma_outputs, NUM_TOKENS)
     del model
     return refs
 

@@ -5,12 +5,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
-import pytest
-
 from llmserve import LLM, AsyncLLM, RequestOutput, RequestOutputKind, SamplingParams
 from tests.e2e.conftest import PROMPTS
 from tests.e2e.greedy_reference import (
-    Reference,
     assert_matches_hf,
     assert_top_logprobs_match,
     hf_forced_references,
@@ -21,35 +18,33 @@ NUM_TOKENS = 64
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=2)
 
 
-@pytest.fixture(scope="module")
-def references(llm: LLM, hf_model: Any) -> list[Reference]:
-    """transformers' greedy choices along a batched run of ours. A row's result depends on neither its
-    batch nor its neighbours, so the runs below, alone or batched, must give these very tokens."""
-    return hf_forced_references(hf_model, llm.generate(PROMPTS, GREEDY, use_tqdm=False))
-
-
-def check_all(llm: LLM, outputs: list[RequestOutput], references: list[Reference]) -> None:
+def check_all(llm: LLM, hf_model: Any, outputs: list[RequestOutput]) -> None:
+    """Each output against transformers' greedy choices forced along it; its prompt ids the tokenizer's."""
+    tokenizer = llm.get_tokenizer()
+    assert [o.prompt_token_ids for o in outputs] == [tokenizer.encode(p) for p in PROMPTS]
+    references = hf_forced_references(hf_model, outputs, NUM_TOKENS)
     ties = [assert_matches_hf(llm, o, ref) for o, ref in zip(outputs, references, strict=True)]
     print("near-ties:", {prompt[:30]: tie for prompt, tie in zip(PROMPTS, ties) if tie is not None})
 
 
-def test_each_prompt_alone_matches_hf(llm: LLM, references: list[Reference]) -> None:
-    outputs = [llm.generate(p, GREEDY, use_tqdm=False)[0] for p in PROMPTS]
-    check_all(llm, outputs, references)
+def test_each_prompt_alone_matches_hf(llm: LLM, hf_model: Any) -> None:
+    check_all(llm, hf_model, [llm.generate(p, GREEDY, use_tqdm=False)[0] for p in PROMPTS])
 
 
-def test_batch_of_mixed_lengths_matches_hf(llm: LLM, references: list[Reference]) -> None:
+def test_batch_of_mixed_lengths_matches_hf(llm: LLM, hf_model: Any) -> None:
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.prompt for o in outputs] == PROMPTS
-    check_all(llm, outputs, references)
+    check_all(llm, hf_model, outputs)
 
 
-def test_logprobs_match_hf(llm: LLM, references: list[Reference]) -> None:
+def test_logprobs_match_hf(llm: LLM, hf_model: Any) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
-    output = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+    out = llm.generate(PROMPTS[0], params, use_tqdm=False)[0]
+    (reference,) = hf_forced_references(hf_model, [out], 8)
+    output = out.outputs[0]
     assert output.logprobs is not None
     for position, entry in enumerate(output.logprobs):
-        ref = references[0].logprobs[position]
+        ref = reference.logprobs[position]
         top = ref.topk(5)
         ranked = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank is not None)
         assert [t for _, t, _ in ranked[:5]] == top.indices.tolist()
@@ -79,7 +74,7 @@ def test_64_mixed_prompts_in_one_batch_match_hf_alone(llm: LLM, hf_model: Any) -
         assert_matches_hf(llm, out, ref)
 
 
-async def test_async_llm_logprobs_match_hf(references: list[Reference]) -> None:
+async def test_async_llm_logprobs_match_hf(llm: LLM, hf_model: Any) -> None:
     engine = AsyncLLM(kv_cache_memory=256 << 20, log_stats=False)
     try:
         params = SamplingParams(
@@ -92,7 +87,8 @@ async def test_async_llm_logprobs_match_hf(references: list[Reference]) -> None:
         outputs = [out async for out in engine.generate(PROMPTS[0], params, "async-logprobs")]
     finally:
         engine.shutdown()
+    (reference,) = hf_forced_references(hf_model, outputs[-1:], 8)
     output = outputs[-1].outputs[0]
     assert output.logprobs is not None and len(output.logprobs) == 8
-    assert output.token_ids == references[0].token_ids[:8]
-    assert_top_logprobs_match(output, references[0], 5)
+    assert_matches_hf(llm, outputs[-1], reference)
+    assert_top_logprobs_match(output, reference, 5)

@@ -20,10 +20,10 @@ from tests.e2e.greedy_reference import (
     assert_matches_hf,
     assert_top_logprobs_match,
     hf_forced_references,
-    load_hf_gguf,
 )
 from tests.e2e.logprob_drift import prompt_logprob_drifts
 from tests.entrypoints.remote_server import RemoteServer
+from tests.hf_gguf import load_hf_gguf
 
 PROMPTS = [
     "def quicksort(arr):\n",
@@ -70,12 +70,13 @@ def qwen_outputs(qwen_llm: LLM) -> list[RequestOutput]:
 
 @pytest.fixture(scope="module")
 def hf_qwen(qwen_gguf_path: Path) -> Any:
+    """transformers' model, ~2 GB in fp32, kept for the module: the AVX2 test forces its own run too."""
     return load_hf_gguf(qwen_gguf_path)
 
 
 @pytest.fixture(scope="module")
 def references(hf_qwen: Any, qwen_outputs: list[RequestOutput]) -> list[Reference]:
-    return hf_forced_references(hf_qwen, qwen_outputs)
+    return hf_forced_references(hf_qwen, qwen_outputs, NUM_TOKENS)
 
 
 def assert_matches(llm: LLM, outputs: list[RequestOutput], references: list[Reference]) -> None:
@@ -98,7 +99,7 @@ def test_the_avx2_build_gives_the_same_outputs(hf_qwen: Any, monkeypatch: pytest
     llm = make_llm()
     try:
         outputs = run(llm)
-        assert_matches(llm, outputs, hf_forced_references(hf_qwen, outputs))
+        assert_matches(llm, outputs, hf_forced_references(hf_qwen, outputs, NUM_TOKENS))
     finally:
         llm.shutdown()
 
