@@ -38,14 +38,12 @@
 #define NB 6
 #define KC 4096
 #define MC 128
-#elif defined(__AVX__)
+#else
+#if defined(__AVX__)
 #define VL 8
-#define MR 3
-#define NB 4
-#define KC 1024
-#define MC 64
 #else
 #define VL 4
+#endif
 #define MR 3
 #define NB 4
 #define KC 1024
