@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -68,7 +69,8 @@ def test_batched_bench_ratio_is_of_whole_runs_and_a_missing_level_is_none(
     works = [Workload([[1] * 128], 128), Workload([[1] * 128] * 64, 128)]
     theirs = [BatchedBenchRow(1, 128, 128, 2.0, 1000.0, 91.0, 128.0)]
     result = report_batched_bench(args, works, [Timing(4.0, 50.0), Timing(60.0, 200.0)], theirs)
-    one, many = result["levels"]
+    # the results file's dict types its values as object; "levels" is a list of dicts
+    one, many = cast(list[dict[str, Any]], result["levels"])
     assert one["llmserve"] == {
         "seconds": 4.0,
         "total_tok_per_s": 64.0,

@@ -6,6 +6,7 @@ import hashlib
 import importlib
 import importlib.util
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ from llmserve.model_executor.loader.joined_model import (
 )
 from llmserve.model_executor.loader.model_source import QWEN2_5_CODER_0_5B_INSTRUCT
 from llmserve.model_executor.loader.tokenizer import eos_token_ids
+from llmserve.model_executor.models.decoder_config import DecoderConfig
 
 F32, Q4_K, Q6_K = GGMLQuantizationType.F32, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
 
@@ -173,7 +175,8 @@ def test_synthetic_gguf_reads_back_with_finite_unit_scale_weights(arch: str, tmp
 def test_synthetic_gguf_opens_in_llmserve(arch: str, tmp_path: Path) -> None:
     shape = TINY[arch]
     source = resolve_model(str(write_synthetic_gguf(shape, tmp_path / "tiny.gguf")))
-    config = load_model_config(source)
+    # a decoder's checkpoint: its config is no BertConfig
+    config = cast(DecoderConfig, load_model_config(source))
     assert (config.architecture, config.vocab_size, config.num_hidden_layers) == (
         {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch],
         shape.vocab,

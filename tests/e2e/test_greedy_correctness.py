@@ -6,6 +6,7 @@ import random
 from typing import Any
 
 from llmserve import LLM, AsyncLLM, RequestOutput, RequestOutputKind, SamplingParams
+from llmserve.engine.input_processor import TokensPrompt
 from tests.e2e.conftest import PROMPTS
 from tests.e2e.greedy_reference import (
     assert_matches_hf,
@@ -57,7 +58,7 @@ def test_64_mixed_prompts_in_one_batch_match_hf_alone(llm: LLM, hf_model: Any) -
     text = " ".join(PROMPTS) * 4
     ids = llm.get_tokenizer().encode(text)
     rng = random.Random(0)
-    prompts = []
+    prompts: list[TokensPrompt] = []
     for _ in range(64):
         length = rng.randint(5, 300)
         start = rng.randrange(0, len(ids) - length)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from llmserve import LLM, SamplingParams
+from llmserve.engine.input_processor import ChatMessage
 
 PROMPT = "The capital of France is"  # greedy: " Paris.\n\n..."
 
@@ -30,7 +31,7 @@ def test_stop_token_id_ends_the_request(llm: LLM) -> None:
 
 
 def test_eos_stops_unless_ignored_and_special_tokens_can_show(llm: LLM) -> None:
-    chat = [{"role": "user", "content": "What is 2+2? Answer with one number."}]
+    chat: list[ChatMessage] = [{"role": "user", "content": "What is 2+2? Answer with one number."}]
     eos = llm.generate(
         {"prompt_token_ids": llm.llm_engine.input_processor.render_chat(chat)["prompt_token_ids"]},
         greedy(max_tokens=48),
@@ -46,7 +47,7 @@ def test_eos_stops_unless_ignored_and_special_tokens_can_show(llm: LLM) -> None:
 
 
 def test_chat_accepts_a_list_of_conversations(llm: LLM) -> None:
-    conversations = [
+    conversations: list[list[ChatMessage]] = [
         [{"role": "user", "content": "Say hello."}],
         [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}],
     ]

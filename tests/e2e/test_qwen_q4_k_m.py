@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from llmserve import LLM, RequestOutput, SamplingParams
+from llmserve.engine.input_processor import ChatMessage
 from llmserve.model_executor.kernels import native
 from tests.e2e.greedy_reference import (
     Reference,
@@ -35,7 +37,7 @@ PROMPTS = [
     "class Stack:\n    def __init__(self):\n",
     "1, 1, 2, 3, 5, 8, 13,",
 ]
-CHATS = [
+CHATS: list[list[ChatMessage]] = [
     [{"role": "user", "content": "Write a Python function that reverses a string."}],
     [
         {"role": "system", "content": "You are a terse assistant."},
@@ -53,7 +55,7 @@ def make_llm() -> LLM:
 def run(llm: LLM) -> list[RequestOutput]:
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-    return outputs + llm.chat(CHATS, params, use_tqdm=False)  # type: ignore[arg-type]
+    return outputs + llm.chat(CHATS, params, use_tqdm=False)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +129,11 @@ def test_the_server_gives_the_same_outputs(
                     break  # the near-tie assert_matches_hf allowed offline
                 assert abs(logprob - float(ref.logprobs[i][token])) < 1e-3
         for chat, out in zip(CHATS, qwen_outputs[len(PROMPTS) :]):
-            reply = client.chat.completions.create(messages=chat, extra_body={"ignore_eos": True}, **common)
+            reply = client.chat.completions.create(
+                messages=cast(list[ChatCompletionMessageParam], chat),  # the same dicts, in the client's type
+                extra_body={"ignore_eos": True},
+                **common,
+            )
             assert reply.choices[0].message.content == out.outputs[0].text
     finally:
         server.stop()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -48,7 +48,11 @@ def stats(engine: LLM) -> SpecDecodingStats:
 
 def chat_prompts(engine: LLM) -> list[str]:
     tokenizer = engine.get_tokenizer()
-    return [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in GROUNDED]
+    # tokenize=False: each is the prompt's text
+    return [
+        cast(str, tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True))
+        for m in GROUNDED
+    ]
 
 
 def generate(engine: LLM, prompts: list[str], params: SamplingParams) -> list[Any]:
@@ -124,8 +128,10 @@ def test_a_guess_past_a_complete_grammar_is_never_made(llm: LLM, spec_llm: LLM) 
         {"role": "assistant", "content": '{"city":"Paris","year":919}'},
         {"role": "user", "content": "Repeat exactly the same JSON answer."},
     ]
-    prompt = spec_llm.get_tokenizer().apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True
+    # tokenize=False: the prompt's text
+    prompt = cast(
+        str,
+        spec_llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
     )
     params = SamplingParams(
         max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema)
@@ -164,7 +170,9 @@ def test_preemption_while_guessing_changes_no_output(llm: LLM) -> None:
             {"role": "user", "content": f"{CODE[:900]}\n\nRewrite this file, renaming BlockPool to Pool."}
         ]
         tokenizer = engine.get_tokenizer()
-        prompts = [tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=True)] * 3
+        # tokenize=False: the prompt's text
+        prompt = cast(str, tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=True))
+        prompts = [prompt] * 3
         params = SamplingParams(max_tokens=60, temperature=0.0)
         got = generate(engine, prompts, params)
         scheduler = engine.llm_engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]

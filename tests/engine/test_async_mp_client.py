@@ -8,11 +8,12 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from llmserve.engine.exceptions import EngineDeadError
-from llmserve.engine.mp_client import AsyncMPClient
+from llmserve.engine.mp_client import AsyncMPClient, _CoreProcess
 from tests.engine.mp_helpers import greedy_request, tiny_config, wait_until_gone
 
 # One loop for the module: the client binds the loop of its first call.
@@ -71,7 +72,8 @@ async def test_concurrent_utility_calls_each_get_their_answer(client: AsyncMPCli
 
 async def test_sigkill_wakes_every_waiter(tiny_llama_hf_dir: Path) -> None:
     client = AsyncMPClient(tiny_config(tiny_llama_hf_dir))
-    pid, ipc_dir = client.proc.pid, client._core.ipc_dir
+    # a local core process (client.proc says so), not a Ray actor
+    pid, ipc_dir = client.proc.pid, cast(_CoreProcess, client._core).ipc_dir
     assert pid is not None
     waiters = [asyncio.create_task(client.get_output_async()) for _ in range(2)]
     await asyncio.sleep(0.2)

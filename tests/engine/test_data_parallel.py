@@ -9,6 +9,7 @@ import os
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,7 +30,7 @@ PROMPTS = [
     "Water boils at",
 ]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
-ENGINE = {"num_threads": 1, "kv_cache_memory": 48 << 20, "max_model_len": 1024}
+ENGINE: dict[str, Any] = {"num_threads": 1, "kv_cache_memory": 48 << 20, "max_model_len": 1024}
 
 
 def prompt_tokens_seen(client: DPSyncMPClient, rank: int) -> int:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import cast
 
 import pytest
 from gguf import GGMLQuantizationType
 
 from llmserve import LLM, RequestOutput, SamplingParams
+from llmserve.engine.input_processor import TokensPrompt
 from llmserve.model_executor.layers.linear import StoredKernel
-from tests.engine.test_llm_batching import core_of, make_llm
+from llmserve.model_executor.models.llama import LlamaDecoderLayer
+from tests.engine.test_llm_batching import make_llm, runner_of
 from tests.fixtures.tiny_llama import VOCAB_SIZE, gguf_name, write_gguf
 from tests.greedy_match import NEAR_TIE_NATS, assert_same_greedy
 
@@ -26,7 +29,7 @@ def test_native_decode_attention_gives_the_torch_outputs(
     runners-up apart."""
     rng = random.Random(5)
     shared = [rng.randrange(3, VOCAB_SIZE) for _ in range(40)]
-    prompts = [
+    prompts: list[TokensPrompt] = [
         {"prompt_token_ids": shared + [rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randint(1, 90))]}
         for _ in range(12)
     ]
@@ -38,7 +41,7 @@ def test_native_decode_attention_gives_the_torch_outputs(
             tiny_llama_hf_dir, native_kernels=native_kernels, max_num_batched_tokens=64, dtype=dtype
         )
         try:
-            assert core_of(llm).model_runner.native == native_kernels
+            assert runner_of(llm).native == native_kernels
             results[native_kernels] = llm.generate(prompts, params, use_tqdm=False)
             if not native_kernels:
                 bf16 = dtype == "bfloat16"
@@ -55,7 +58,7 @@ def test_gguf_block_kernels_give_the_torch_outputs(tiny_llama_hf_dir: Path, tmp_
     types["output.weight"] = GGMLQuantizationType.Q8_0
     path = write_gguf(tmp_path / "q4.gguf", tiny_llama_hf_dir, types=types)
     rng = random.Random(9)
-    prompts = [
+    prompts: list[TokensPrompt] = [
         {"prompt_token_ids": [rng.randrange(3, VOCAB_SIZE) for _ in range(20 + 7 * i)]} for i in range(5)
     ]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
@@ -63,8 +66,10 @@ def test_gguf_block_kernels_give_the_torch_outputs(tiny_llama_hf_dir: Path, tmp_
     for native_kernels in (True, False):
         llm = make_llm(path, native_kernels=native_kernels, max_num_seqs=4)
         try:
-            model = core_of(llm).model_runner.model
-            kernels = [layer.mlp.down_proj.kernel for layer in model.layers] + [model.logits_kernel]
+            model = runner_of(llm).model
+            # mypy sees an nn.ModuleList's items as plain Modules; the tiny Llama's are LlamaDecoderLayers
+            layers = [cast(LlamaDecoderLayer, layer) for layer in model.layers]
+            kernels = [layer.mlp.down_proj.kernel for layer in layers] + [model.logits_kernel]
             assert all(isinstance(k, StoredKernel) for k in kernels) == native_kernels
             assert (model.native_decoder is not None) == native_kernels  # decode steps of <= 4 rows in C
             results[native_kernels] = llm.generate(prompts, params, use_tqdm=False)
@@ -109,8 +114,10 @@ def test_weight_only_quantization_is_the_same_at_every_batch_size(
 ) -> None:
     llm = make_llm(tiny_llama_hf_dir, quantization=quantization)
     try:
-        model = core_of(llm).model_runner.model
-        kernels = [layer.self_attn.qkv_proj.kernel for layer in model.layers]
+        model = runner_of(llm).model
+        # mypy sees an nn.ModuleList's items as plain Modules; the tiny Llama's are LlamaDecoderLayers
+        layers = [cast(LlamaDecoderLayer, layer) for layer in model.layers]
+        kernels = [layer.self_attn.qkv_proj.kernel for layer in layers]
         assert all(isinstance(k, StoredKernel) and k.plan.int8_activations for k in kernels)
         assert_same_together_and_alone(llm, seed=11)
     finally:
@@ -128,8 +135,10 @@ def test_gguf_int8_activations_are_the_same_at_every_batch_size(
     types["output.weight"] = GGMLQuantizationType.Q8_0
     llm = make_llm(write_gguf(tmp_path / "mixed.gguf", tiny_llama_hf_dir, types=types), quantization="gguf")
     try:
-        model = core_of(llm).model_runner.model
-        kernels = [layer.mlp.down_proj.kernel for layer in model.layers] + [model.logits_kernel]
+        model = runner_of(llm).model
+        # mypy sees an nn.ModuleList's items as plain Modules; the tiny Llama's are LlamaDecoderLayers
+        layers = [cast(LlamaDecoderLayer, layer) for layer in model.layers]
+        kernels = [layer.mlp.down_proj.kernel for layer in layers] + [model.logits_kernel]
         assert all(isinstance(k, StoredKernel) and k.plan.int8_activations for k in kernels)
         stored = {part.qtype for linear in model.linears() for part in linear.parts if part is not None}
         assert stored == {int(kind) for kind in kinds}  # as the file stores them
@@ -144,7 +153,7 @@ def assert_same_together_and_alone(llm: LLM, seed: int) -> None:
     has AVX-512 VNNI, else the rounded activations through weight_gemm.c) give the greedy tokens they
     give one at a time (steps of 1 row: block_q8.c)."""
     rng = random.Random(seed)
-    prompts = [
+    prompts: list[TokensPrompt] = [
         {"prompt_token_ids": [rng.randrange(3, VOCAB_SIZE) for _ in range(10 + 3 * i)]} for i in range(20)
     ]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)

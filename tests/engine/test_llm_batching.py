@@ -5,13 +5,15 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.engine.core import EngineCore
+from llmserve.engine.input_processor import TokensPrompt
+from llmserve.model_executor.model_runner import ModelRunner
 from llmserve.model_executor.models.native_decoder import NativeDecoder
 from tests.fixtures.tiny_llama import VOCAB_SIZE
 from tests.greedy_match import assert_same_greedy
@@ -24,6 +26,11 @@ def make_llm(model: Path, **kwargs: object) -> LLM:
 
 def core_of(llm: LLM) -> EngineCore:
     return llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined,no-any-return]
+
+
+def runner_of(llm: LLM) -> ModelRunner:
+    """`core_of(llm).model_runner`, typed as a generating engine's (not an embedding engine's) runner."""
+    return cast(ModelRunner, core_of(llm).model_runner)
 
 
 def count_native_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -46,7 +53,7 @@ def llm(tiny_llama_hf_dir: Path) -> Iterator[LLM]:
     engine.shutdown()
 
 
-def random_prompts(count: int, low: int, high: int, seed: int = 0) -> list[dict[str, list[int]]]:
+def random_prompts(count: int, low: int, high: int, seed: int = 0) -> list[TokensPrompt]:
     rng = random.Random(seed)
     return [
         {"prompt_token_ids": [rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randint(low, high))]}

@@ -6,9 +6,10 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import cast
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.mp_client import SyncMPClient
+from llmserve.engine.mp_client import SyncMPClient, _CoreProcess
 from tests.engine.mp_helpers import wait_until_gone
 from tests.greedy_match import assert_same_greedy
 
@@ -26,7 +27,8 @@ def test_process_core_matches_in_process_core(default_model_path: Path) -> None:
     llm = LLM(kv_cache_memory=64 << 20)
     client = llm.llm_engine.engine_core
     assert isinstance(client, SyncMPClient)
-    pid, ipc_dir = client.proc.pid, client._core.ipc_dir
+    # a local core process (client.proc says so), not a Ray actor
+    pid, ipc_dir = client.proc.pid, cast(_CoreProcess, client._core).ipc_dir
     assert pid is not None
     try:
         process_outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)

@@ -4,6 +4,7 @@ end ends a request at the token that completes a stop string, as if each token h
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import pytest
 from transformers import AutoTokenizer
@@ -33,7 +34,7 @@ def test_a_stop_string_inside_a_multi_token_output_drops_the_tokens_after_it(
 ) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_hf_dir)
     tokens = tokenizer.encode("abcdefgh", add_special_tokens=False)
-    stop = tokenizer.decode(tokens[2:4])  # completed by the 4th token
+    stop = cast(str, tokenizer.decode(tokens[2:4]))  # completed by the 4th token (one sequence: a str)
     params = SamplingParams(max_tokens=50, stop=[stop], include_stop_str_in_output=include, logprobs=0)
     single = run(tiny_llama_hf_dir, params, [[t] for t in tokens])
     several = run(tiny_llama_hf_dir, params, [tokens[:3], tokens[3:6], tokens[6:]])

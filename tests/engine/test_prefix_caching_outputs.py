@@ -6,6 +6,7 @@ import random
 from pathlib import Path
 
 from llmserve import SamplingParams
+from llmserve.engine.input_processor import TokensPrompt
 from tests.engine.test_llm_batching import assert_no_leaks, core_of, make_llm
 from tests.fixtures.tiny_llama import VOCAB_SIZE
 from tests.greedy_match import assert_same_greedy
@@ -14,7 +15,7 @@ from tests.greedy_match import assert_same_greedy
 def test_outputs_identical_with_prefix_caching_on_and_off(tiny_llama_hf_dir: Path) -> None:
     rng = random.Random(20)
     system = [rng.randrange(3, VOCAB_SIZE) for _ in range(100)]
-    prompts = [
+    prompts: list[TokensPrompt] = [
         {"prompt_token_ids": system + [rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randint(1, 40))]}
         for _ in range(24)
     ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -109,7 +109,8 @@ def test_prompt_logprobs_delivered_once_for_delta_and_always_otherwise(
     ]
     outputs: list[RequestOutput] = []
     for step in steps:
-        outputs.extend(processor.process_outputs([step]).request_outputs)
+        # a sampling request's outputs: RequestOutputs, never the pooling runner's
+        outputs.extend(cast(list[RequestOutput], processor.process_outputs([step]).request_outputs))
     prompt_logprobs: list[Any] = [o.prompt_logprobs for o in outputs]
     expected = [None, {6: -2.0, 9: -0.5}, {7: -2.0, 9: -0.5}]
     got = [None if p is None else {t: lp.logprob for t, lp in p.items()} for p in prompt_logprobs[0]]

@@ -11,7 +11,7 @@ import pytest
 from safetensors import safe_open
 
 from llmserve.model_executor.kernels import native
-from tests.engine.test_llm_batching import core_of, make_llm
+from tests.engine.test_llm_batching import make_llm, runner_of
 
 BLOCK_SIZE = 16  # CacheConfig's default
 MAX_MODEL_LEN = 768
@@ -35,7 +35,7 @@ def test_start_up_logs_weights_kv_pool_concurrency_and_kernel_build(
     config = json.loads((tiny_llama_hf_dir / "config.json").read_text())
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     try:
-        runner = core_of(llm).model_runner
+        runner = runner_of(llm)
         pool_bytes = sum(t.nbytes for pair in runner.kv_caches for t in pair)
         # RoPE tables for the positions a sequence can reach, not the model's whole context
         tables = {tuple(r.cos.shape) for r in runner.model.rotary_embeddings()}

@@ -11,10 +11,11 @@ import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, Page, sync_playwright
+from playwright.sync_api import Browser, Dialog, Page, Request, sync_playwright
 
 from tests.entrypoints.conftest import MODEL, SERVER_ARGS
 from tests.entrypoints.remote_server import RemoteServer
@@ -133,6 +134,11 @@ def chat(page: Page) -> str:
     return answer
 
 
+def posted_json(request: Request) -> dict[str, Any]:
+    """The JSON body the page posted (Playwright's type allows none: the page's API calls all have one)."""
+    return cast(dict[str, Any], request.post_data_json)
+
+
 def stop_midway(page: Page, server: RemoteServer, history: list[dict[str, str]]) -> None:
     """A long answer sent with the history and the key; Stop ends it on the server: the running gauge
     returns to 0 well before its max_tokens were generated."""
@@ -142,7 +148,7 @@ def stop_midway(page: Page, server: RemoteServer, history: list[dict[str, str]])
     with page.expect_request("**/v1/chat/completions") as request:
         page.click("#send")
     assert request.value.headers["authorization"] == f"Bearer {API_KEY}"
-    assert request.value.post_data_json["messages"] == history
+    assert posted_json(request.value)["messages"] == history
     second = ".message.assistant >> nth=1"
     assert_streamed(wait_growing(page, f"{second} >> .content"))
     assert metric(server, "num_requests_running") == 1
@@ -160,7 +166,7 @@ def regenerate(page: Page, history: list[dict[str, str]]) -> None:
     set_fields(page, max_tokens="24")
     with page.expect_request("**/v1/chat/completions") as request:
         page.click(".message.assistant >> nth=1 >> .regenerate")
-    assert request.value.post_data_json["messages"] == history
+    assert posted_json(request.value)["messages"] == history
     page.wait_for_function("() => state.controller === null && state.messages.length === 4")
     assert page.locator(".message.assistant").count() == 2
     assert STATS.match(page.inner_text(".message.assistant >> nth=1 >> .stats"))
@@ -193,7 +199,7 @@ def structured(page: Page) -> None:
     with page.expect_request("**/v1/completions") as request:
         page.click("#run")
     response_format = {"type": "json_schema", "json_schema": {"name": "playground", "schema": schema}}
-    assert request.value.post_data_json["response_format"] == response_format
+    assert posted_json(request.value)["response_format"] == response_format
     page.wait_for_function("() => state.controller === null")
     assert re.match(r'\{\s*"city"', page.inner_text("#completion .output-text"))
 
@@ -204,7 +210,12 @@ def test_chat_stop_regenerate_and_complete(browser: Browser, server: RemoteServe
     )
     page = context.new_page()
     dialogs: list[str] = []
-    page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+
+    def dismiss(dialog: Dialog) -> None:
+        dialogs.append(dialog.message)
+        dialog.dismiss()
+
+    page.on("dialog", dismiss)
     page.goto(f"{server.url}/")
     enter_key(page)
     history = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": FIRST_PROMPT}]
@@ -229,7 +240,9 @@ HOSTILE_PIECES = [
 
 
 def sse(pieces: list[str]) -> str:
-    chunks = [{"choices": [{"index": 0, "delta": {"content": piece}}]} for piece in pieces]
+    chunks: list[dict[str, object]] = [
+        {"choices": [{"index": 0, "delta": {"content": piece}}]} for piece in pieces
+    ]
     chunks.append({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}})
     return "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
 
@@ -239,7 +252,12 @@ def test_model_output_is_shown_as_text(browser: Browser, server: RemoteServer) -
     context.add_init_script(f"localStorage.setItem('llmserve.apiKey', {json.dumps(API_KEY)})")
     page = context.new_page()
     dialogs: list[str] = []
-    page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+
+    def dismiss(dialog: Dialog) -> None:
+        dialogs.append(dialog.message)
+        dialog.dismiss()
+
+    page.on("dialog", dismiss)
     # The page's own streaming and rendering path, fed an answer a model could give.
     page.route(
         "**/v1/chat/completions",

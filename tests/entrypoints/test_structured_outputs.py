@@ -18,8 +18,11 @@ import httpx
 import openai
 import pydantic
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
+from openai.types.shared_params import ResponseFormatJSONSchema
 
 from llmserve import LLM, SamplingParams
+from llmserve.engine.input_processor import ChatMessage
 from llmserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from llmserve.sampling_params import RequestOutputKind, StructuredOutputsParams
 from tests.entrypoints.remote_server import RemoteServer
@@ -33,8 +36,9 @@ CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 # model echoing keywords into an open object or a number's digits.
 JSON_MAX_TOKENS = 160
 MAX_CUT = 6  # of the ~60 schemas, per decoding mode (the tests print how many)
-SAMPLED = {"temperature": 0.8, "seed": 7}
-GREEDY = {"temperature": 0.0}
+# fields of both a request body and SamplingParams
+SAMPLED: dict[str, Any] = {"temperature": 0.8, "seed": 7}
+GREEDY: dict[str, Any] = {"temperature": 0.0}
 
 ARITHMETIC_LARK = r"""
 start: expr
@@ -59,7 +63,7 @@ REGEXES = [
 ]
 
 
-def ask_for(name: str) -> list[dict[str, str]]:
+def ask_for(name: str) -> list[ChatMessage]:
     """A short request: the grammar, not the prompt, must bring the schema's structure."""
     return [{"role": "user", "content": f"Give me a {name} as JSON."}]
 
@@ -175,7 +179,7 @@ def test_response_format_and_structured_outputs_become_sampling_params(
     fields: dict[str, Any], expected: StructuredOutputsParams | None
 ) -> None:
     for request in (
-        ChatCompletionRequest(messages=MESSAGES, **fields),
+        ChatCompletionRequest.model_validate({"messages": MESSAGES, **fields}),
         CompletionRequest(prompt="x", **fields),
     ):
         params = request.sampling_params(8, None, RequestOutputKind.FINAL_ONLY)
@@ -257,7 +261,7 @@ def test_regex_and_choice_outputs_always_match(so_server: RemoteServer) -> None:
         "Today's date is",
         "Email:",
     ]
-    requests = []
+    requests: list[tuple[str, dict[str, Any]]] = []
     for regex, prompt in zip(REGEXES, prompts):
         for sampling in (GREEDY, {"temperature": 1.0, "seed": 1}, {"temperature": 1.0, "seed": 2}):
             body = {"prompt": prompt, "max_tokens": 40, "structured_outputs": {"regex": regex}, **sampling}
@@ -311,7 +315,7 @@ def test_free_requests_beside_constrained_ones_get_the_tokens_they_get_alone(so_
 def test_json_is_compact_by_default(http: httpx.Client) -> None:
     """No whitespace outside strings (a small model given free whitespace can emit newlines until
     max_tokens), on both endpoints."""
-    bodies = [
+    bodies: list[tuple[str, dict[str, object]]] = [
         (CHAT, {"messages": [{"role": "user", "content": "Describe a cat as JSON."}]}),
         (CMPL, {"prompt": "A cat, described in JSON:\n"}),
     ]
@@ -418,8 +422,11 @@ class Person(pydantic.BaseModel):
 
 def test_the_openai_client_response_format_and_extra_body(so_server: RemoteServer) -> None:
     client = openai.OpenAI(base_url=f"{so_server.url}/v1", api_key="unused", timeout=120)
-    question = [{"role": "user", "content": "Describe a person as JSON."}]
-    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    question: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Describe a person as JSON."}]
+    fmt: ResponseFormatJSONSchema = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+    }
     reply = client.chat.completions.create(model=MODEL, messages=question, max_tokens=60, response_format=fmt)
     assert reply.choices[0].finish_reason == "stop", reply
     assert not list(validator(PERSON).iter_errors(json.loads(reply.choices[0].message.content or "")))

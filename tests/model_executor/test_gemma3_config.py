@@ -13,7 +13,7 @@ import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -178,10 +178,11 @@ def test_config_refuses_what_the_model_does_not_compute(
 
 
 def test_gguf_config_equals_the_hf_config(hf_dir: Path, gguf_path: Path) -> None:
-    from_hf = load_model_config(ModelSource(hf_dir, "hf", "tiny"))
-    from_gguf = load_model_config(ModelSource(gguf_path, "gguf", "tiny"))
+    # a Gemma 3 checkpoint: its config is a Gemma3Config
+    from_hf = cast(Gemma3Config, load_model_config(ModelSource(hf_dir, "hf", "tiny")))
+    from_gguf = cast(Gemma3Config, load_model_config(ModelSource(gguf_path, "gguf", "tiny")))
     # The GGUF states its context length, not HF's default, and the score scale as llama.cpp derives it.
-    assert from_gguf.query_pre_attn_scalar == 32  # type: ignore[attr-defined]
+    assert from_gguf.query_pre_attn_scalar == 32
     assert from_gguf == Gemma3Config(**{**vars(from_hf), "query_pre_attn_scalar": 32.0})
 
 
@@ -215,7 +216,7 @@ def test_gguf_weights_load_as_the_safetensors_ones(hf_dir: Path, gguf_path: Path
     """Norms come back as w from llama.cpp's 1 + w; every other tensor as it is."""
     models = []
     for source in (ModelSource(hf_dir, "hf", "tiny"), ModelSource(gguf_path, "gguf", "tiny")):
-        model = Gemma3ForCausalLM(load_model_config(source))
+        model = Gemma3ForCausalLM(cast(Gemma3Config, load_model_config(source)))  # a Gemma 3 checkpoint
         model.load_weights(iter_weights(source))
         models.append(model.state_dict())
     hf, gguf = models

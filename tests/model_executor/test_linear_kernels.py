@@ -4,10 +4,12 @@ with no dense copy of a stored weight; the thread count follows the rules."""
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from llmserve.config import ModelConfig
 from llmserve.model_executor.cpu_threads import core_thread_count
@@ -25,11 +27,12 @@ BLOCK_ROWS = native.BLOCK_GEMV_MAX_ROWS
 @pytest.mark.parametrize("bias", [False, True])
 def test_dense_fp32_is_onednn(rows: int, bias: bool) -> None:
     layer = Linear(48, 80, bias, stored=False)
-    torch.nn.init.normal_(layer.weight)
+    weight = cast(nn.Parameter, layer.weight)  # stored=False: a dense weight, never None
+    torch.nn.init.normal_(weight)
     if layer.bias is not None:
         torch.nn.init.normal_(layer.bias)
     x = torch.randn(rows, 48)
-    expected = F.linear(x, layer.weight, layer.bias)
+    expected = F.linear(x, weight, layer.bias)
     layer.prepare(cpu_plan(stored=False))
     assert isinstance(layer.kernel, OneDNNKernel)
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
@@ -41,11 +44,12 @@ def test_dense_bf16_is_onednn_with_f_linears_values(rows: int) -> None:
     to the last bf16 rounding (the two sum in different orders); elsewhere `F.linear` itself."""
     torch.manual_seed(rows)
     layer = Linear(96, 80, True, stored=False).bfloat16()
-    torch.nn.init.normal_(layer.weight)
+    weight = cast(nn.Parameter, layer.weight)  # stored=False: a dense weight, never None
+    torch.nn.init.normal_(weight)
     assert layer.bias is not None
     torch.nn.init.normal_(layer.bias)
     x = torch.randn(rows, 96).bfloat16()
-    expected = F.linear(x, layer.weight, layer.bias)
+    expected = F.linear(x, weight, layer.bias)
     config = ModelConfig(native_kernels=True)
     layer.prepare(ExecutionPlan.decide(config, torch.device("cpu"), torch.bfloat16, "LlamaForCausalLM"))
     if cpu_has_bf16_products():

@@ -6,7 +6,7 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from llmserve.model_executor.layers.stored_weight import StoredTensor
 from llmserve.model_executor.loader import iter_weights, load_model_config, model_source, resolve_model
 from llmserve.model_executor.loader.gguf_file import map_tensor_data, read_gguf_header, tensor_bytes
+from llmserve.model_executor.models.decoder_config import DecoderConfig
 from tests.fixtures.tiny_llama import llama_cpp_permute, write_gguf
 from tests.model_executor.stored_weights import QWEN, random_stored, real_stored_tensor
 
@@ -122,8 +123,9 @@ def test_header_reader_agrees_with_gguf_reader(tiny_llama_gguf_path: Path) -> No
 
 
 def test_config_hf_and_gguf_agree(tiny_llama_hf_dir: Path, tiny_llama_gguf_path: Path) -> None:
-    from_hf = load_model_config(resolve_model(str(tiny_llama_hf_dir)))
-    from_gguf = load_model_config(resolve_model(str(tiny_llama_gguf_path)))
+    # a decoder's checkpoint: its config is no BertConfig
+    from_hf = cast(DecoderConfig, load_model_config(resolve_model(str(tiny_llama_hf_dir))))
+    from_gguf = cast(DecoderConfig, load_model_config(resolve_model(str(tiny_llama_gguf_path))))
     assert from_hf == from_gguf
     assert (from_hf.num_key_value_heads, from_hf.head_dim, from_hf.rope_theta) == (2, 16, 50000.0)
     assert not from_hf.tie_word_embeddings
@@ -136,7 +138,8 @@ def test_config_reads_old_style_rope_keys(tiny_llama_hf_dir: Path, tmp_path: Pat
     cfg["rope_theta"] = 500000.0
     cfg["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
     (folder / "config.json").write_text(json.dumps(cfg))
-    config = load_model_config(resolve_model(str(folder)))
+    # a decoder's checkpoint: its config is no BertConfig
+    config = cast(DecoderConfig, load_model_config(resolve_model(str(folder))))
     assert (config.rope_theta, config.rope_scaling) == (500000.0, {"rope_type": "linear", "factor": 2.0})
 
 
@@ -327,7 +330,8 @@ def test_default_model_weights_match_transformers(
     default_model_path: Path, hf_state_dict: dict[str, torch.Tensor]
 ) -> None:
     source = resolve_model(str(default_model_path))
-    config = load_model_config(source)
+    # a decoder's checkpoint: its config is no BertConfig
+    config = cast(DecoderConfig, load_model_config(source))
     assert config.tie_word_embeddings  # so transformers' state dict has an lm_head we do not yield
     ours = _dense(iter_weights(source))
     assert {n: t.shape for n, t in ours.items()} == {

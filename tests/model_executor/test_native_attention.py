@@ -138,7 +138,9 @@ def test_native_decode_reads_bf16_caches_as_their_fp32_values(
     seq_lens = torch.tensor(lens)
 
     actual = native.paged_decode_attention(q, *caches, tables, seq_lens, scale)
-    widened = native.paged_decode_attention(q.float(), *(c.float() for c in caches), tables, seq_lens, scale)
+    widened = native.paged_decode_attention(
+        q.float(), caches[0].float(), caches[1].float(), tables, seq_lens, scale
+    )
 
     assert actual.dtype == torch.bfloat16
     assert torch.equal(actual, widened.bfloat16())

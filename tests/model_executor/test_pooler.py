@@ -97,7 +97,7 @@ def test_sentence_transformers_files_choose_the_pooling(
 
 
 def test_modules_we_do_not_compute_are_refused(tmp_path: Path) -> None:
-    mean = {"pooling_mode_mean_tokens": True}
+    mean: dict[str, object] = {"pooling_mode_mean_tokens": True}
     with pytest.raises(ValueError, match="Dense"):
         read_sentence_transformers(write_st(tmp_path, mean, ["Transformer", "Pooling", "Dense", "Normalize"]))
     with pytest.raises(ValueError, match="pooling_mode_max_tokens"):

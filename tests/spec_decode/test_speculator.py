@@ -18,7 +18,7 @@ def speculator(k: int = 3, **fields: int) -> Speculator:
     return Speculator(config, max_model_len=4096)
 
 
-def request(prompt: list[int] = REPEATING, **params: object) -> Request:
+def request(prompt: list[int] = REPEATING, /, **params: object) -> Request:
     return Request("r", prompt, SamplingParams(**params), None, 0.0, max_model_len=4096)  # type: ignore[arg-type]
 
 

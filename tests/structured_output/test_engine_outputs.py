@@ -9,11 +9,12 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import jsonschema
 import pytest
 
-from llmserve import LLM, AsyncLLM, SamplingParams
+from llmserve import LLM, AsyncLLM, RequestOutput, SamplingParams
 from llmserve.engine.core import EngineCore
 from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.scheduling.request import Request
@@ -192,12 +193,14 @@ def test_grammars_failing_together_leave_nothing_behind_and_lose_no_output(
     engine.add_request("broken-1", "a", broken)
     engine.add_request("broken-2", "b", broken)
     engine.add_request("free", "c", SamplingParams(max_tokens=4, ignore_eos=True))
-    errors, outputs = 0, []
+    errors = 0
+    outputs: list[RequestOutput] = []
     for _ in range(100):
         if not engine.has_unfinished_requests():
             break
         try:
-            outputs += engine.step()
+            # a sampling request's outputs: RequestOutputs, never the pooling runner's
+            outputs += cast(list[RequestOutput], engine.step())
         except StructuredOutputError:
             errors += 1
     assert not engine.has_unfinished_requests()
