@@ -108,16 +108,16 @@ def test_parts_of_different_types_stack(isa: str, rows: int) -> None:
     assert_product_close(y, x, w)
 
 
-# Widths of one slice of weight_gemm.c's columns and of several (its slices are 1,024 or 4,096 columns
-# long, by build), with a partial last one.
+# Widths of one slice of weight_gemm.c's columns and of several (its slices are 1,024 columns long, the
+# last up to half as long again), with a partial last one.
 WIDTHS = [768, 2 * 4096 + 256]
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("in_features", WIDTHS)
 def test_product_over_slices_equals_fp64_of_gguf_values(isa: str, qtype: Q, in_features: int) -> None:
-    """A decode row and 150 rows (more than one pass of the tiles over a slice) at both widths, the bias
-    added once."""
+    """A decode row and 150 rows (more than one pass of the tiles over a group's rows, their chains carried
+    from slice to slice) at both widths, the bias added once."""
     raw = stored(qtype, 13, in_features)
     bias = torch.randn(13)
     weight, keep = one_part(raw, qtype, bias)

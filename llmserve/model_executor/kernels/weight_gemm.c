@@ -1,20 +1,20 @@
 /* y = x @ W.T for fp32 rows against a weight kept in its stored format (GGUF blocks, fp16, bf16, fp32),
  * at any number of rows, for CPUs.
  *
- * The weight is never widened whole: each thread takes groups of NB output rows and, KC columns at a
- * time, widens one group's slice into a scratch buffer that stays in cache (dequant.c; fp32 rows are
- * read in place), then multiplies it with up to MC rows of x in tiles of MR x NB dot products. A single
- * row reads the weight's stored bytes once, so a decode step streams 4.5-8.5 bits a weight, not 32; for
- * many rows the widening is amortised over MC rows.
+ * The weight is never widened whole: each thread takes groups of NB output rows and, for each MC rows
+ * of x, widens the group's columns KC at a time into a scratch buffer that stays in L1 (dequant.c; fp32
+ * rows are read in place) and multiplies them with those rows in tiles of MR x NB dot products, whose
+ * chains are kept from one slice to the next. A single row reads the weight's stored bytes once, so a
+ * decode step streams 4.5-8.5 bits a weight, not 32; for many rows the widening is amortised over MC
+ * rows.
  *
  * Up to FUSED_ROWS rows take a shorter way to the same sums: each 32 weights are widened in registers
  * and multiplied there (dequant.h), never stored and loaded back. At one row the widening can bound a
  * step before memory does: `python -m benchmarks.latency` reports the share of the read bandwidth used.
  *
- * Every y[r, o] is the same computation whatever the batch: for each slice of KC columns in order, VL
- * lanes of fused multiply-add chains, summed in one fixed tree, then the slice's tail, added to y (the
- * first slice to the bias). A row's result depends on neither its batch, nor its tile, nor the number
- * of threads.
+ * Every y[r, o] is the same computation whatever the batch: VL lanes of fused multiply-add chains over
+ * all of k in order, summed in one fixed tree, then the tail of k past the vectors, then the bias. A
+ * row's result depends on neither its batch, nor its tile, nor the number of threads, nor the slices.
  *
  * The vector width is the build's (see native.py): 16 floats on AVX-512, 8 on AVX2, 4 elsewhere; MR and
  * NB are chosen so that the MR * NB accumulators, MR rows of x and one row of W fill the registers.
@@ -26,17 +26,20 @@
 
 #include "dequant.h"
 
-/* KC columns per slice, MC rows of x per pass over it. Each tile pays fixed costs per slice (its
- * reductions, y's read and write, the first loads of its MR + NB streams), so on AVX-512 long slices win
- * although the widened slice (NB x KC fp32, 96 KiB) and x's (MC x KC, 2 MiB) then outgrow L1 and L2: on
- * a Zen 4 core a Q4_K [14336, 4096] weight times 512 rows went from 63-77 GFLOP/s at 1,024 x 64 to
- * 91-101 (peak 113), and [576, 1536] from 82 to 96. Measured on Zen 4 only. AVX2 builds measured no
- * clear gain; they and the portable build keep slices whose widened weight (16 KiB) stays in L1. */
+/* MC rows of x per pass over a group of W's rows, KC of its columns widened at a time. The chains carried
+ * between slices (MC x NB vectors) let a slice be short enough for its widened weight (NB x KC fp32, 24
+ * KiB on AVX-512, 16 on AVX2) to stay in L1 while the tiles pass over it; until 2026-12-03 a slice ended
+ * in its tiles' reductions, and AVX-512 builds took 4,096 columns at once to pay them less often, reading
+ * the widened weight from L2. On a Zen 5 core (full-width AVX-512, two FMAs a cycle) that bounded the
+ * tiles near 60% of oneDNN's fp32 GEMM: at 512 rows a Q4_K [14336, 4096] weight went from 128-138
+ * GFLOP/s to 158-175 with 1,024-column slices (512: 149-167; 2,048, the L1's whole 48 KiB: 134), [896,
+ * 4864] from 132-143 to 170-177; 64 rows of x per pass (an x slice half the L2) were slower than 128. */
+#define KC 1024
+#define LAST_KC (KC + KC / 2) /* the last slice takes up to this many: no short one costs a pass */
 #if defined(__AVX512F__)
 #define VL 16
 #define MR 4
 #define NB 6
-#define KC 4096
 #define MC 128
 #else
 #if defined(__AVX__)
@@ -46,7 +49,6 @@
 #endif
 #define MR 3
 #define NB 4
-#define KC 1024
 #define MC 64
 #endif
 #define FUSED_ROWS 4 /* up to here the weights are multiplied from registers */
@@ -90,52 +92,68 @@ INLINE float vsum(vf v)
     return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
-/* out[r][j] = x[r] . w[j] over kc columns, x's rows ldx apart, for r < rows, j < cols; constants after
- * inlining for full tiles. */
-INLINE void tile(const float *x, int64_t ldx, int64_t k, int rows, const float *const *w, int cols,
-                 float out[MR][NB])
+/* The chains acc[r][j] of x[r] . w[j], lane by lane, over kc more columns, x's rows ldx apart, for
+ * r < rows and j < cols (constants after inlining, as are the flags): started at zero on the `first`
+ * slice, else from acc; on the `last`, summed with the tail of columns [kv, kc) past the vectors into out,
+ * else left in acc. The chains run in a local copy that nothing can alias, in registers. */
+INLINE void tile(const float *x, int64_t ldx, int64_t kv, int64_t kc, int rows, const float *const *w, int cols,
+                 vf acc[MR][NB], int first, int last, float out[MR][NB])
 {
-    vf acc[MR][NB];
+    vf a[MR][NB];
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < cols; j++)
-            acc[r][j] = (vf){0};
-    int64_t kk = 0;
-    for (; kk + VL <= k; kk += VL) {
-        vf a[MR];
+            a[r][j] = first ? (vf){0} : acc[r][j];
+    for (int64_t kk = 0; kk < kv; kk += VL) {
+        vf xr[MR];
         for (int r = 0; r < rows; r++)
-            a[r] = vload(x + r * ldx + kk);
+            xr[r] = vload(x + r * ldx + kk);
         for (int j = 0; j < cols; j++) {
             const vf b = vload(w[j] + kk);
             for (int r = 0; r < rows; r++)
-                acc[r][j] = vfma(a[r], b, acc[r][j]);
+                a[r][j] = vfma(xr[r], b, a[r][j]);
         }
     }
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < cols; j++) {
-            float s = vsum(acc[r][j]);
-            for (int64_t t = kk; t < k; t++)
-                s = fmaf(x[r * ldx + t], w[j][t], s);
-            out[r][j] = s;
+            if (!last) {
+                acc[r][j] = a[r][j];
+                continue;
+            }
+            float sum = vsum(a[r][j]);
+            for (int64_t t = kv; t < kc; t++)
+                sum = fmaf(x[r * ldx + t], w[j][t], sum);
+            out[r][j] = sum;
         }
 }
 
-static void tile_full(const float *x, int64_t ldx, int64_t k, int rows, const float *const *w,
-                      float out[MR][NB])
+/* tile() with its row count, its group's width and its flags made constants. */
+#define TILE_FLAGS(R, C)                                             \
+    if (first && last)                                               \
+        tile(x, ldx, kv, kc, R, w, C, acc, 1, 1, out);               \
+    else if (first)                                                  \
+        tile(x, ldx, kv, kc, R, w, C, acc, 1, 0, out);               \
+    else if (last)                                                   \
+        tile(x, ldx, kv, kc, R, w, C, acc, 0, 1, out);               \
+    else                                                             \
+        tile(x, ldx, kv, kc, R, w, C, acc, 0, 0, out);
+
+static void tile_full(const float *x, int64_t ldx, int64_t kv, int64_t kc, int rows, const float *const *w,
+                      vf acc[MR][NB], int first, int last, float out[MR][NB])
 {
     switch (rows) {
 #if MR >= 4
-    case 4: tile(x, ldx, k, 4, w, NB, out); break;
+    case 4: TILE_FLAGS(4, NB) break;
 #endif
-    case 3: tile(x, ldx, k, 3, w, NB, out); break;
-    case 2: tile(x, ldx, k, 2, w, NB, out); break;
-    default: tile(x, ldx, k, 1, w, NB, out); break;
+    case 3: TILE_FLAGS(3, NB) break;
+    case 2: TILE_FLAGS(2, NB) break;
+    default: TILE_FLAGS(1, NB) break;
     }
 }
 
-static void tile_any(const float *x, int64_t ldx, int64_t k, int rows, const float *const *w, int cols,
-                     float out[MR][NB])
+static void tile_any(const float *x, int64_t ldx, int64_t kv, int64_t kc, int rows, const float *const *w,
+                     int cols, vf acc[MR][NB], int first, int last, float out[MR][NB])
 {
-    tile(x, ldx, k, rows, w, cols, out);
+    TILE_FLAGS(rows, cols)
 }
 
 /* Columns [k0, k0 + kc) of the fp32 rows [row0, row0 + cols) of one part, whose rows hold k weights: in
@@ -187,7 +205,7 @@ INLINE void multiply32(const f32x16 w[2], const float *x, int64_t ldx, int rows,
             acc[r][j] = vfma(vload(x + r * ldx + VL * p), b[p], acc[r][j]);
 }
 
-/* out[r][j] = x[r] . W's row j over its 32-weight groups [s0, s1), for r < rows and j < cols (constants
+/* out[r][j] = x[r] . W's row j over its `groups` groups of 32 weights, for r < rows and j < cols (constants
  * after inlining), in the lanes and order of tile(): each 32 weights widened in registers only. The
  * cols rows' chains are independent, so the multiply-adds of one row do not wait on each other.
  *
@@ -197,7 +215,7 @@ INLINE void multiply32(const f32x16 w[2], const float *x, int64_t ldx, int rows,
  * as fast as when it sits in the cache. They go to L2 (locality 2, prefetcht1), not L1: on two Zen 4
  * cores the product of one row with Qwen's [151936, 896] Q8_0 logits weight took 5.2 ms instead of 8.5;
  * other types ran alike. */
-INLINE void fused_group(int qtype, const uint8_t *const *w, int64_t ahead, int cols, int64_t s0, int64_t s1,
+INLINE void fused_group(int qtype, const uint8_t *const *w, int64_t ahead, int cols, int64_t groups,
                         const float *x, int64_t ldx, int rows, float out[FUSED_ROWS][NB])
 {
     vf acc[FUSED_ROWS][NB];
@@ -205,7 +223,7 @@ INLINE void fused_group(int qtype, const uint8_t *const *w, int64_t ahead, int c
         for (int j = 0; j < cols; j++)
             acc[r][j] = (vf){0};
     if (is_k_type(qtype)) /* whole super-blocks: their scales once, then sub-blocks at constant offsets */
-        for (int64_t sb = s0 / 8; sb < s1 / 8; sb++) {
+        for (int64_t sb = 0; sb < groups / 8; sb++) {
             _Pragma("GCC unroll 8") for (int j = 0; j < cols; j++)
                 for (int l = 0; l < block_bytes(qtype); l += 64)
                     __builtin_prefetch(w[j] + ahead + block_bytes(qtype) * sb + l, 0, 2);
@@ -223,7 +241,7 @@ INLINE void fused_group(int qtype, const uint8_t *const *w, int64_t ahead, int c
                 }
         }
     else
-        for (int64_t s = s0; s < s1; s++)
+        for (int64_t s = 0; s < groups; s++)
             _Pragma("GCC unroll 8") for (int j = 0; j < cols; j++)
             {
                 __builtin_prefetch(w[j] + ahead + bytes32(qtype) * s, 0, 2);
@@ -236,24 +254,24 @@ INLINE void fused_group(int qtype, const uint8_t *const *w, int64_t ahead, int c
             out[r][j] = vsum(acc[r][j]);
 }
 
-typedef void FusedGroup(const uint8_t *const *w, int64_t ahead, int cols, int64_t s0, int64_t s1,
+typedef void FusedGroup(const uint8_t *const *w, int64_t ahead, int cols, int64_t groups,
                         const float *x, int64_t ldx, int rows, float out[FUSED_ROWS][NB]);
 
 /* fused_group for one type, its row count and a whole group (or a single row) made constants. */
 #define FUSED_ROWS_CASE(T, R)                                         \
     case R:                                                           \
         if (cols == NB)                                               \
-            fused_group(T, w, ahead, NB, s0, s1, x, ldx, R, out);     \
+            fused_group(T, w, ahead, NB, groups, x, ldx, R, out);     \
         else                                                          \
             for (int j = 0; j < cols; j++) {                          \
                 float one[FUSED_ROWS][NB];                            \
-                fused_group(T, w + j, ahead, 1, s0, s1, x, ldx, R, one);  \
+                fused_group(T, w + j, ahead, 1, groups, x, ldx, R, one); \
                 for (int r = 0; r < R; r++)                           \
                     out[r][j] = one[r][0];                            \
             }                                                         \
         break;
 #define FUSED_FOR_TYPE(T)                                                                                  \
-    static void fused_##T(const uint8_t *const *w, int64_t ahead, int cols, int64_t s0, int64_t s1,       \
+    static void fused_##T(const uint8_t *const *w, int64_t ahead, int cols, int64_t groups,                \
                           const float *x, int64_t ldx, int rows, float out[FUSED_ROWS][NB])                \
     {                                                                                                      \
         switch (rows) {                                                                                    \
@@ -273,18 +291,25 @@ static FusedGroup *fused_for(int qtype)
     return NULL;
 }
 
-/* One group of W's rows (columns col0.. of y) times x's rows [0, m), over one slice of kc columns: the
- * first slice stores (or adds to y, with `accumulate`) its sums plus the bias, later ones add theirs. */
-static void group_product(const float *x, int64_t m, int64_t ldx, int64_t kc, const float *const *w, int cols,
-                          int64_t col0, const float *bias, float *y, int64_t n, int accumulate)
+/* One group of W's rows (columns col0.. of y) times x's rows [0, m) over the slice [k0, k0 + kc) of k's
+ * columns, the chains carried from slice to slice in acc (one tile's for each MR rows); after the last
+ * slice the results are stored, plus the bias (or added to y, with `accumulate`). KC is a multiple of
+ * VL: only the last slice has a tail. */
+static void group_slice(const float *x, int64_t m, int64_t k, int64_t k0, int64_t kc, const float *const *w,
+                        int cols, vf (*acc)[MR][NB], int64_t col0, const float *bias, float *y, int64_t n,
+                        int accumulate)
 {
+    const int first = k0 == 0, last = k0 + kc == k;
+    const int64_t kv = last ? kc - kc % VL : kc;
     for (int64_t r0 = 0; r0 < m; r0 += MR) {
         const int rows = m - r0 < MR ? (int)(m - r0) : MR;
         float out[MR][NB];
         if (cols == NB)
-            tile_full(x + r0 * ldx, ldx, kc, rows, w, out);
+            tile_full(x + r0 * k + k0, k, kv, kc, rows, w, acc[r0 / MR], first, last, out);
         else
-            tile_any(x + r0 * ldx, ldx, kc, rows, w, cols, out);
+            tile_any(x + r0 * k + k0, k, kv, kc, rows, w, cols, acc[r0 / MR], first, last, out);
+        if (!last)
+            continue;
         for (int j = 0; j < cols; j++) {
             float column[MR];
             for (int r = 0; r < rows; r++)
@@ -294,10 +319,17 @@ static void group_product(const float *x, int64_t m, int64_t ldx, int64_t kc, co
     }
 }
 
+/* This thread's chains for the MC rows of one group, kept between slices. */
+static vf (*accumulators(void))[MR][NB]
+{
+    static __thread vf buffer[(MC + MR - 1) / MR][MR][NB] __attribute__((aligned(64)));
+    return buffer;
+}
+
 /* This thread's scratch for one group's widened slice, kept between calls. */
 static float *scratch(void)
 {
-    static __thread float buffer[NB * KC] __attribute__((aligned(64))); /* whole cache lines per vector */
+    static __thread float buffer[NB * LAST_KC] __attribute__((aligned(64))); /* whole lines per vector */
     return buffer;
 }
 
@@ -329,16 +361,13 @@ static void fused_share(const float *x, int64_t m, int64_t k, const Weight *w, i
         const uint8_t *rows[NB];
         for (int j = 0; j < cols; j++)
             rows[j] = part->data + (row0 + j) * bytes;
-        for (int64_t k0 = 0; k0 < k; k0 += KC) {
-            const int64_t kc = k - k0 < KC ? k - k0 : KC;
-            float out[FUSED_ROWS][NB];
-            fused_for((int)part->qtype)(rows, NB * bytes, cols, k0 / 32, (k0 + kc) / 32, x, k, (int)m, out);
-            for (int j = 0; j < cols; j++) {
-                float column[FUSED_ROWS];
-                for (int r = 0; r < m; r++)
-                    column[r] = out[r][j];
-                store_column(y, n, (int)m, col0 + j, column, k0 == 0 ? w->bias : NULL, accumulate || k0 > 0);
-            }
+        float out[FUSED_ROWS][NB];
+        fused_for((int)part->qtype)(rows, NB * bytes, cols, k / 32, x, k, (int)m, out);
+        for (int j = 0; j < cols; j++) {
+            float column[FUSED_ROWS];
+            for (int r = 0; r < m; r++)
+                column[r] = out[r][j];
+            store_column(y, n, (int)m, col0 + j, column, w->bias, accumulate);
         }
     }
 }
@@ -356,25 +385,24 @@ void weight_gemm_share(const float *x, int64_t m, int64_t k, const Weight *w, fl
     }
     const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
     const int64_t g0 = groups * t / threads, g1 = groups * (t + 1) / threads;
-    for (int64_t k0 = 0; k0 < k; k0 += KC) {
-        const int64_t kc = k - k0 < KC ? k - k0 : KC;
-        const float *bias = k0 == 0 ? w->bias : NULL;
-        for (int64_t i0 = 0; i0 < m; i0 += MC) {
-            const int64_t rows = m - i0 < MC ? m - i0 : MC;
-            int64_t g = 0, col0 = 0;
-            for (int64_t p = 0; p < w->num_parts; p++) {
-                const WeightPart *part = &w->parts[p];
-                for (int64_t row0 = 0; row0 < part->rows; row0 += NB, g++) {
-                    if (g < g0 || g >= g1)
-                        continue;
-                    const int cols = part->rows - row0 < NB ? (int)(part->rows - row0) : NB;
+    for (int64_t i0 = 0; i0 < m; i0 += MC) {
+        const int64_t rows = m - i0 < MC ? m - i0 : MC;
+        int64_t g = 0, col0 = 0;
+        for (int64_t p = 0; p < w->num_parts; p++) {
+            const WeightPart *part = &w->parts[p];
+            for (int64_t row0 = 0; row0 < part->rows; row0 += NB, g++) {
+                if (g < g0 || g >= g1)
+                    continue;
+                const int cols = part->rows - row0 < NB ? (int)(part->rows - row0) : NB;
+                for (int64_t k0 = 0, kc; k0 < k; k0 += kc) {
+                    kc = k - k0 <= LAST_KC ? k - k0 : KC;
                     const float *wrows[NB];
                     group_rows(part, row0, cols, k, k0, kc, scratch(), wrows);
-                    group_product(x + i0 * k + k0, rows, k, kc, wrows, cols, col0 + row0, bias, y + i0 * n, n,
-                                  accumulate || k0 > 0);
+                    group_slice(x + i0 * k, rows, k, k0, kc, wrows, cols, accumulators(), col0 + row0, w->bias,
+                                y + i0 * n, n, accumulate);
                 }
-                col0 += part->rows;
             }
+            col0 += part->rows;
         }
     }
 }
