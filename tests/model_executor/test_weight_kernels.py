@@ -82,13 +82,18 @@ def test_product_of_real_blocks_equals_fp64_of_gguf_values(
     assert_product_close(y, x, torch.from_numpy(reference(weight.data.numpy(), qtype)))
 
 
-def test_product_of_odd_width_floats(isa: str) -> None:
-    """Hugging Face weights need not be whole blocks: the tail of k past the vectors counts too."""
-    raw = stored(Q.F32, 9, 75)
-    weight, keep = one_part(raw, Q.F32)
-    x = torch.randn(5, 75)
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16], ids=lambda q: q.name)
+@pytest.mark.parametrize("in_features", [75, 3147])
+def test_product_of_odd_width_floats(isa: str, qtype: Q, in_features: int) -> None:
+    """Hugging Face weights need not be whole blocks: the tail of k past the vectors counts too, in one
+    slice or after chains carried over two (3,147 = 1,024 + 1,024 + 1,099, the tail in the last), and
+    the same for a row in either tile of 7 rows as in 2."""
+    raw = stored(qtype, 9, in_features)
+    weight, keep = one_part(raw, qtype)
+    x = torch.randn(7, in_features)
     y = native.weight_gemm(x, weight, 9)
-    assert_product_close(y, x, torch.from_numpy(reference(raw, Q.F32)))
+    assert_product_close(y, x, torch.from_numpy(reference(raw, qtype)))
+    assert torch.equal(native.weight_gemm(x[:2], weight, 9), y[:2])
 
 
 @pytest.mark.parametrize("rows", [1, 10])
@@ -109,7 +114,7 @@ def test_parts_of_different_types_stack(isa: str, rows: int) -> None:
 
 
 # Widths of one slice of weight_gemm.c's columns and of several (its slices are 1,024 columns long, the
-# last up to half as long again), with a partial last one.
+# last up to half as long again: 8,448's last is 1,280).
 WIDTHS = [768, 2 * 4096 + 256]
 
 

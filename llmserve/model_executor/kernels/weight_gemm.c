@@ -26,16 +26,17 @@
 
 #include "dequant.h"
 
-/* MC rows of x per pass over a group of W's rows, KC of its columns widened at a time. The chains carried
- * between slices (MC x NB vectors) let a slice be short enough for its widened weight (NB x KC fp32, 24
- * KiB on AVX-512, 16 on AVX2) to stay in L1 while the tiles pass over it; until 2026-12-03 a slice ended
- * in its tiles' reductions, and AVX-512 builds took 4,096 columns at once to pay them less often, reading
- * the widened weight from L2. On a Zen 5 core (full-width AVX-512, two FMAs a cycle) that bounded the
- * tiles near 60% of oneDNN's fp32 GEMM: at 512 rows a Q4_K [14336, 4096] weight went from 128-138
- * GFLOP/s to 158-175 with 1,024-column slices (512: 149-167; 2,048, the L1's whole 48 KiB: 134), [896,
- * 4864] from 132-143 to 170-177; 64 rows of x per pass (an x slice half the L2) were slower than 128. */
+/* MC rows of x per pass over a group of W's rows, KC of its columns widened at a time (the last slice up
+ * to LAST_KC: a short one would cost a pass of the tiles for few columns). The chains carried between
+ * slices (MC x NB vectors) let a slice be short enough for its widened weight (NB x KC fp32: 24 KiB on
+ * AVX-512, 16 on AVX2; up to 36 and 24 for the last) to stay in L1 while the tiles pass over it. On a
+ * Zen 5 core at 512 rows, Q4_K [14336, 4096]: 158-175 GFLOP/s with 1,024-column slices, 149-167 with 512,
+ * 134 with 2,048 (the whole 48 KiB L1); 64 rows of x per pass were slower than 128 (the README has the
+ * history). KC is a multiple of every block (32 or 256 weights) and vector: only the last slice has a
+ * tail, and each slice starts on a whole block. */
 #define KC 1024
-#define LAST_KC (KC + KC / 2) /* the last slice takes up to this many: no short one costs a pass */
+#define LAST_KC (KC + KC / 2)
+_Static_assert(KC % 256 == 0, "slices start on whole blocks and vectors");
 #if defined(__AVX512F__)
 #define VL 16
 #define MR 4
@@ -96,8 +97,8 @@ INLINE float vsum(vf v)
  * r < rows and j < cols (constants after inlining, as are the flags): started at zero on the `first`
  * slice, else from acc; on the `last`, summed with the tail of columns [kv, kc) past the vectors into out,
  * else left in acc. The chains run in a local copy that nothing can alias, in registers. */
-INLINE void tile(const float *x, int64_t ldx, int64_t kv, int64_t kc, int rows, const float *const *w, int cols,
-                 vf acc[MR][NB], int first, int last, float out[MR][NB])
+INLINE void tile(const float *x, int64_t ldx, int64_t kv, int64_t kc, int rows, const float *const *w,
+                 int cols, vf acc[MR][NB], int first, int last, float out[MR][NB])
 {
     vf a[MR][NB];
     for (int r = 0; r < rows; r++)
@@ -346,8 +347,8 @@ static const WeightPart *group_part(const Weight *w, int64_t g, int64_t *row0, i
     return &w->parts[p];
 }
 
-/* The rows of the groups for m <= FUSED_ROWS rows of x, with the slices of the tiled path. Threads take
- * groups as they finish, in shares as block_q8.c's (share_rows), without waiting for each other. */
+/* The rows of the groups for m <= FUSED_ROWS rows of x, in one pass over k: the tiled path's sums.
+ * Threads take groups as they finish, in shares as block_q8.c's (share_rows), without waiting for each other. */
 static void fused_share(const float *x, int64_t m, int64_t k, const Weight *w, int64_t n, int64_t groups,
                         float *y, int accumulate)
 {
@@ -394,12 +395,13 @@ void weight_gemm_share(const float *x, int64_t m, int64_t k, const Weight *w, fl
                 if (g < g0 || g >= g1)
                     continue;
                 const int cols = part->rows - row0 < NB ? (int)(part->rows - row0) : NB;
-                for (int64_t k0 = 0, kc; k0 < k; k0 += kc) {
-                    kc = k - k0 <= LAST_KC ? k - k0 : KC;
+                for (int64_t k0 = 0; k0 < k;) {
+                    const int64_t kc = k - k0 <= LAST_KC ? k - k0 : KC;
                     const float *wrows[NB];
                     group_rows(part, row0, cols, k, k0, kc, scratch(), wrows);
-                    group_slice(x + i0 * k, rows, k, k0, kc, wrows, cols, accumulators(), col0 + row0, w->bias,
-                                y + i0 * n, n, accumulate);
+                    group_slice(x + i0 * k, rows, k, k0, kc, wrows, cols, accumulators(), col0 + row0,
+                                w->bias, y + i0 * n, n, accumulate);
+                    k0 += kc;
                 }
             }
             col0 += part->rows;
