@@ -206,7 +206,7 @@ INLINE void multiply32(const f32x16 w[2], const float *x, int64_t ldx, int rows,
             acc[r][j] = vfma(vload(x + r * ldx + VL * p), b[p], acc[r][j]);
 }
 
-/* out[r][j] = x[r] . W's row j over its `groups` groups of 32 weights, for r < rows and j < cols (constants
+/* out[r][j] = x[r] . W's row j over its `runs` runs of 32 weights, for r < rows and j < cols (constants
  * after inlining), in the lanes and order of tile(): each 32 weights widened in registers only. The
  * cols rows' chains are independent, so the multiply-adds of one row do not wait on each other.
  *
@@ -216,7 +216,7 @@ INLINE void multiply32(const f32x16 w[2], const float *x, int64_t ldx, int rows,
  * as fast as when it sits in the cache. They go to L2 (locality 2, prefetcht1), not L1: on two Zen 4
  * cores the product of one row with Qwen's [151936, 896] Q8_0 logits weight took 5.2 ms instead of 8.5;
  * other types ran alike. */
-INLINE void fused_group(int qtype, const uint8_t *const *w, int64_t ahead, int cols, int64_t groups,
+INLINE void fused_group(int qtype, const uint8_t *const *w, int64_t ahead, int cols, int64_t runs,
                         const float *x, int64_t ldx, int rows, float out[FUSED_ROWS][NB])
 {
     vf acc[FUSED_ROWS][NB];
@@ -224,7 +224,7 @@ INLINE void fused_group(int qtype, const uint8_t *const *w, int64_t ahead, int c
         for (int j = 0; j < cols; j++)
             acc[r][j] = (vf){0};
     if (is_k_type(qtype)) /* whole super-blocks: their scales once, then sub-blocks at constant offsets */
-        for (int64_t sb = 0; sb < groups / 8; sb++) {
+        for (int64_t sb = 0; sb < runs / 8; sb++) {
             _Pragma("GCC unroll 8") for (int j = 0; j < cols; j++)
                 for (int l = 0; l < block_bytes(qtype); l += 64)
                     __builtin_prefetch(w[j] + ahead + block_bytes(qtype) * sb + l, 0, 2);
@@ -242,7 +242,7 @@ INLINE void fused_group(int qtype, const uint8_t *const *w, int64_t ahead, int c
                 }
         }
     else
-        for (int64_t s = 0; s < groups; s++)
+        for (int64_t s = 0; s < runs; s++)
             _Pragma("GCC unroll 8") for (int j = 0; j < cols; j++)
             {
                 __builtin_prefetch(w[j] + ahead + bytes32(qtype) * s, 0, 2);
@@ -255,24 +255,24 @@ INLINE void fused_group(int qtype, const uint8_t *const *w, int64_t ahead, int c
             out[r][j] = vsum(acc[r][j]);
 }
 
-typedef void FusedGroup(const uint8_t *const *w, int64_t ahead, int cols, int64_t groups,
+typedef void FusedGroup(const uint8_t *const *w, int64_t ahead, int cols, int64_t runs,
                         const float *x, int64_t ldx, int rows, float out[FUSED_ROWS][NB]);
 
 /* fused_group for one type, its row count and a whole group (or a single row) made constants. */
 #define FUSED_ROWS_CASE(T, R)                                         \
     case R:                                                           \
         if (cols == NB)                                               \
-            fused_group(T, w, ahead, NB, groups, x, ldx, R, out);     \
+            fused_group(T, w, ahead, NB, runs, x, ldx, R, out);       \
         else                                                          \
             for (int j = 0; j < cols; j++) {                          \
                 float one[FUSED_ROWS][NB];                            \
-                fused_group(T, w + j, ahead, 1, groups, x, ldx, R, one); \
+                fused_group(T, w + j, ahead, 1, runs, x, ldx, R, one);   \
                 for (int r = 0; r < R; r++)                           \
                     out[r][j] = one[r][0];                            \
             }                                                         \
         break;
 #define FUSED_FOR_TYPE(T)                                                                                  \
-    static void fused_##T(const uint8_t *const *w, int64_t ahead, int cols, int64_t groups,                \
+    static void fused_##T(const uint8_t *const *w, int64_t ahead, int cols, int64_t runs,                  \
                           const float *x, int64_t ldx, int rows, float out[FUSED_ROWS][NB])                \
     {                                                                                                      \
         switch (rows) {                                                                                    \
@@ -348,7 +348,8 @@ static const WeightPart *group_part(const Weight *w, int64_t g, int64_t *row0, i
 }
 
 /* The rows of the groups for m <= FUSED_ROWS rows of x, in one pass over k: the tiled path's sums.
- * Threads take groups as they finish, in shares as block_q8.c's (share_rows), without waiting for each other. */
+ * Threads take groups as they finish, in shares as block_q8.c's (share_rows), without waiting for each
+ * other. */
 static void fused_share(const float *x, int64_t m, int64_t k, const Weight *w, int64_t n, int64_t groups,
                         float *y, int accumulate)
 {
