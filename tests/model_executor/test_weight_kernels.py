@@ -96,18 +96,20 @@ def test_product_of_odd_width_floats(isa: str, qtype: Q, in_features: int) -> No
     assert torch.equal(native.weight_gemm(x[:2], weight, 9), y[:2])
 
 
-@pytest.mark.parametrize("rows", [1, 10])
-def test_parts_of_different_types_stack(isa: str, rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 10, 150])
+@pytest.mark.parametrize("in_features", [256, 2560])
+def test_parts_of_different_types_stack(isa: str, rows: int, in_features: int) -> None:
     """A fused projection whose shards are stored in different types (Q4_K_M's q, k and v), at a decode
-    step's row (each group of output rows found from its number, the parts' last groups partial) and at
-    ten."""
+    step's row (each group of output rows found from its number, the parts' last groups partial), at ten
+    and at 150 (two passes of the tiles), over one slice of columns and over two (a thread's block of
+    groups, whose chains go from slice to slice together, then spans the parts)."""
     parts = [(Q.Q4_K, 20), (Q.Q6_K, 7), (Q.Q8_0, 5)]
-    raws = [stored(qtype, n, 256, seed=i) for i, (qtype, n) in enumerate(parts)]
+    raws = [stored(qtype, n, in_features, seed=i) for i, (qtype, n) in enumerate(parts)]
     tensors = [torch.from_numpy(raw) for raw in raws]
     weight = native.Weight(num_parts=3, bias=0)
     for i, ((qtype, n), data) in enumerate(zip(parts, tensors)):
         weight.parts[i] = native.WeightPart(data.data_ptr(), int(qtype), n)
-    x = torch.randn(rows, 256)
+    x = torch.randn(rows, in_features)
     y = native.weight_gemm(x, weight, 32)
     w = torch.cat([torch.from_numpy(reference(raw, qtype)) for raw, (qtype, _) in zip(raws, parts)])
     assert_product_close(y, x, w)
