@@ -101,8 +101,9 @@ def test_product_of_odd_width_floats(isa: str, qtype: Q, in_features: int) -> No
 def test_parts_of_different_types_stack(isa: str, rows: int, in_features: int) -> None:
     """A fused projection whose shards are stored in different types (Q4_K_M's q, k and v), at a decode
     step's row (each group of output rows found from its number, the parts' last groups partial), at ten
-    and at 150 (two passes of the tiles), over one slice of columns and over two (a thread's block of
-    groups, whose chains go from slice to slice together, then spans the parts)."""
+    and at 150 (more than one pass of the tiles), over one slice of columns and over two, on one thread
+    and on two (few enough that a thread's groups, whose chains go from slice to slice together, span the
+    parts)."""
     parts = [(Q.Q4_K, 20), (Q.Q6_K, 7), (Q.Q8_0, 5)]
     raws = [stored(qtype, n, in_features, seed=i) for i, (qtype, n) in enumerate(parts)]
     tensors = [torch.from_numpy(raw) for raw in raws]
@@ -110,9 +111,14 @@ def test_parts_of_different_types_stack(isa: str, rows: int, in_features: int) -
     for i, ((qtype, n), data) in enumerate(zip(parts, tensors)):
         weight.parts[i] = native.WeightPart(data.data_ptr(), int(qtype), n)
     x = torch.randn(rows, in_features)
-    y = native.weight_gemm(x, weight, 32)
     w = torch.cat([torch.from_numpy(reference(raw, qtype)) for raw, (qtype, _) in zip(raws, parts)])
-    assert_product_close(y, x, w)
+    with_threads = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert_product_close(native.weight_gemm(x, weight, 32), x, w)
+    finally:
+        torch.set_num_threads(with_threads)
 
 
 # Widths of one slice of weight_gemm.c's columns and of several (its slices are 1,024 columns long, the

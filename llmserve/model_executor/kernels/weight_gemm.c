@@ -1,13 +1,12 @@
 /* y = x @ W.T for fp32 rows against a weight kept in its stored format (GGUF blocks, fp16, bf16, fp32),
  * at any number of rows, for CPUs.
  *
- * The weight is never widened whole: each thread takes groups of NB output rows, GROUPS groups at a
- * time, and for each MC rows of x widens the groups' columns KC at a time, one group after another, into
- * a scratch buffer that stays in L1 (dequant.c; fp32 rows are read in place), multiplying them with those
- * rows in tiles of MR x NB dot products, whose chains are kept from one slice to the next. A single row
- * reads the weight's stored bytes once, so a
- * decode step streams 4.5-8.5 bits a weight, not 32; for many rows the widening is amortised over MC
- * rows.
+ * The weight is never widened whole: for each MC rows of x, each thread takes its groups of NB output
+ * rows GROUPS at a time and widens their columns KC at a time, one group after another, into a scratch
+ * buffer that stays in L1 (dequant.c; fp32 rows are read in place), multiplying them with those rows in
+ * tiles of MR x NB dot products, whose chains are kept from one slice to the next. A single row reads the
+ * weight's stored bytes once, so a decode step streams 4.5-8.5 bits a weight, not 32; for many rows the
+ * widening is amortised over MC rows.
  *
  * Up to FUSED_ROWS rows take a shorter way to the same sums: each 32 weights are widened in registers
  * and multiplied there (dequant.h), never stored and loaded back. At one row the widening can bound a
@@ -29,16 +28,16 @@
 
 /* MC rows of x per pass over a group of W's rows, KC of its columns widened at a time (the last slice up
  * to LAST_KC: a short one would cost a pass of the tiles for few columns). The chains carried between
- * slices (MC x NB vectors a group) let a slice be short enough for its widened weight (NB x KC fp32: 24 KiB on
- * AVX-512, 16 on AVX2; up to 36 and 24 for the last) to stay in L1 while the tiles pass over it. On a
+ * slices (MC x NB vectors a group) let a slice be short enough for its widened weight (NB x KC fp32: 24
+ * KiB on AVX-512, 16 on AVX2; up to 36 and 24 for the last) to stay in L1 while the tiles pass over it. On a
  * Zen 5 core at 512 rows, Q4_K [14336, 4096]: 158-175 GFLOP/s with 1,024-column slices, 149-167 with 512,
  * 134 with 2,048 (the whole 48 KiB L1); 64 rows of x per pass were slower than 128 (the README has the
  * history). KC is a multiple of every block (32 or 256 weights) and vector: only the last slice has a
- * tail, and each slice starts on a whole block. The GROUPS groups of a block take each slice in turn, so
- * that x's slice (MC x KC, 512 KiB on AVX-512) is read once from L2 for all of them, where one group at a
- * time read its MC rows whole (at k = 4,096, 2 MiB) from L3 for each group: on a Zen 5 core at 512 rows,
- * Q4_K [4096, 4096] 156-158 -> 167-170 GFLOP/s (both builds in one process, in turn), groups of 8 no
- * faster; at k = 14,336 within the noise. */
+ * tail, and each slice starts on a whole block. The GROUPS groups taken together pass over each slice in
+ * turn, so that x's slice (MC x KC: 512 KiB on AVX-512, the last up to 768, beside their 192 KiB of
+ * chains in a 1 MiB L2) comes from L3 once and from L2 for each of them, where one group at a time read
+ * x's MC rows whole (2 MiB at k = 4,096) from L3 for every group (the README has the figures; groups of 8
+ * were no faster). */
 #define KC 1024
 #define LAST_KC (KC + KC / 2)
 _Static_assert(KC % 256 == 0, "slices start on whole blocks and vectors");
@@ -397,18 +396,19 @@ void weight_gemm_share(const float *x, int64_t m, int64_t k, const Weight *w, fl
     const int64_t g0 = groups * t / threads, g1 = groups * (t + 1) / threads;
     for (int64_t i0 = 0; i0 < m; i0 += MC) {
         const int64_t rows = m - i0 < MC ? m - i0 : MC;
-        for (int64_t first = g0; first < g1; first += GROUPS) {
-            const int64_t end = first + GROUPS < g1 ? first + GROUPS : g1;
+        for (int64_t b0 = g0; b0 < g1; b0 += GROUPS) {
+            const int64_t b1 = b0 + GROUPS < g1 ? b0 + GROUPS : g1;
             for (int64_t k0 = 0; k0 < k;) {
                 const int64_t kc = k - k0 <= LAST_KC ? k - k0 : KC;
-                for (int64_t g = first; g < end; g++) {
+                for (int64_t g = b0; g < b1; g++) {
                     int64_t row0, col0;
                     const WeightPart *part = group_part(w, g, &row0, &col0);
                     const int cols = part->rows - row0 < NB ? (int)(part->rows - row0) : NB;
                     const float *wrows[NB];
                     group_rows(part, row0, cols, k, k0, kc, scratch(), wrows);
-                    group_slice(x + i0 * k, rows, k, k0, kc, wrows, cols, accumulators() + (g - first) * TILES,
-                                col0, w->bias, y + i0 * n, n, accumulate);
+                    vf(*acc)[MR][NB] = accumulators() + (g - b0) * TILES;
+                    group_slice(x + i0 * k, rows, k, k0, kc, wrows, cols, acc, col0, w->bias, y + i0 * n, n,
+                                accumulate);
                 }
                 k0 += kc;
             }
