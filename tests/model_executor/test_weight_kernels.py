@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,17 @@ def assert_product_close(
     exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
     bound = 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-30
     assert ((y.double() - exact).abs() <= bound).all(), (y.double() - exact).abs().div(bound).max()
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """The kernels' thread count (torch's, which native.py passes on) set to n for a block, then restored."""
+    with_threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(with_threads)
 
 
 def one_part(raw: np.ndarray, qtype: Q, bias: torch.Tensor | None = None) -> tuple[native.Weight, list]:
@@ -112,13 +125,9 @@ def test_parts_of_different_types_stack(isa: str, rows: int, in_features: int) -
         weight.parts[i] = native.WeightPart(data.data_ptr(), int(qtype), n)
     x = torch.randn(rows, in_features)
     w = torch.cat([torch.from_numpy(reference(raw, qtype)) for raw, (qtype, _) in zip(raws, parts)])
-    with_threads = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
+    for threads in (1, 2):
+        with torch_threads(threads):
             assert_product_close(native.weight_gemm(x, weight, 32), x, w)
-    finally:
-        torch.set_num_threads(with_threads)
 
 
 # Widths of one slice of weight_gemm.c's columns and of several (its slices are 1,024 columns long, the
@@ -152,12 +161,8 @@ def test_a_rows_result_does_not_depend_on_its_batch(isa: str, qtype: Q, in_featu
     for at in (0, 5, 96, 147):
         assert torch.equal(native.weight_gemm(x[at : at + 1], weight, 50)[0], whole[at])
         assert torch.equal(native.weight_gemm(x[at : at + 3], weight, 50), whole[at : at + 3])
-    with_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         assert torch.equal(native.weight_gemm(x, weight, 50), whole)
-    finally:
-        torch.set_num_threads(with_threads)
 
 
 def test_unknown_types_and_widths_are_refused(isa: str) -> None:
