@@ -82,16 +82,16 @@ async def soak(args: argparse.Namespace, base_url: str, server_pid: int) -> tupl
     return samples, errors
 
 
-def settled_rss(server_pid: int, timeout_s: float = 120.0) -> int:
-    """The server's resident memory once it stops growing while idle: the KV pool is faulted in by a
-    thread in the idle scheduling class after start-up (model_executor/host_memory.py), seconds to half a
-    minute on an idle machine, but held back by a load that starts at once and keeps every core busy,
-    which would read as growth under load."""
+def settled_rss(pid: int, timeout_s: float = 120.0) -> int:
+    """The resident memory of a server or an `LLM`'s process (`pid`) and its engine core, once it stops
+    growing while idle: the KV pool is faulted in by a thread in the idle scheduling class after start-up
+    (model_executor/host_memory.py), seconds to half a minute on an idle machine, but held back by a load
+    that starts at once and keeps every core busy, which would read as growth under load."""
     deadline = time.monotonic() + timeout_s
-    last = sum(process_rss(server_pid).values())
+    last = sum(process_rss(pid).values())
     while time.monotonic() < deadline:
         time.sleep(2.0)
-        now = sum(process_rss(server_pid).values())
+        now = sum(process_rss(pid).values())
         if now - last < 0.005 * last:
             return now
         last = now
