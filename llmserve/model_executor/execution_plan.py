@@ -14,6 +14,9 @@ the plan. The rules, each with the reason it exists:
 - Decode attention reads the paged cache in place in C (`paged_attention.c`) on the CPU wherever the
   library built and the cache is fp32 or bf16 (widened exactly; it computes in fp32); else PyTorch
   gathers the blocks, which took 45% of a bf16 SmolLM2 run.
+- Prefill attention reads the chunk's keys and values in place in C (`prefill_attention.c`) on the CPU
+  wherever the library built and the cache is fp32: PyTorch's flash attention, one call per sequence,
+  took 2.7x as long on SmolLM2's prompts of 32-512 tokens (a sixth of a 64-prompt run).
 - Sampling's argmax (every greedy token) reads the logits with vectors in C (`argmax.c`) on the CPU
   wherever the library built: PyTorch's compares one value at a time, 12 ms a step for 64 rows of a
   262,144-token vocabulary. Same indices, ties and NaNs included.
@@ -64,6 +67,7 @@ class ExecutionPlan:
     block_rows: int  # with int8 activations, products of up to this many rows read the blocks
     int8_gemm: bool  # with int8 activations, larger products take int8_gemm.c (AVX-512 VNNI)
     decode_attention: str  # "paged_attention.c" | "torch"
+    prefill_attention: str  # "prefill_attention.c" | "torch SDPA"
     argmax: str  # "argmax.c" | "torch"
     gated_activation: str  # "gated_activation.c" | "torch": the MLP's act(gate) * up outside decoder_step.c
     fused_decode: bool  # decode-only steps through decoder_step.c
@@ -117,6 +121,9 @@ class ExecutionPlan:
             block_rows=native.BLOCK_GEMV_MAX_ROWS if int8_activations else 0,
             int8_gemm=int8_activations and native_path and native.int8_gemm_available(),
             decode_attention="paged_attention.c" if c_attention else "torch",
+            prefill_attention="prefill_attention.c"
+            if c_attention and dtype == torch.float32
+            else "torch SDPA",
             argmax="argmax.c" if library and device.type == "cpu" and not encoder else "torch",
             gated_activation="gated_activation.c" if decoder_kernels else "torch",
             fused_decode=decoder_kernels,
@@ -168,7 +175,7 @@ class ExecutionPlan:
             lines.append("  attention: bidirectional, torch SDPA per prompt (an encoder: no KV cache)")
         else:
             lines += [
-                f"  decode attention: {self.decode_attention}; prefill attention: torch SDPA;"
+                f"  decode attention: {self.decode_attention}; prefill attention: {self.prefill_attention};"
                 f" sampling's argmax: {self.argmax}",
                 "  decode-only steps: "
                 + ("every layer in one decoder_step.c call" if self.fused_decode else "op by op"),

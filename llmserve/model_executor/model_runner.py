@@ -272,6 +272,7 @@ class ModelRunner:
             ),
             prefills=prefills,
             native_decode=self.native,
+            native_prefill=self.plan.prefill_attention == "prefill_attention.c",
         )
         token_ids, positions = buffers.token_ids[:at].to(self.device), buffers.positions[:at].to(self.device)
         return token_ids, positions, meta, sample_rows

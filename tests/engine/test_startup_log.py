@@ -67,7 +67,8 @@ def test_start_up_logs_weights_kv_pool_concurrency_and_kernel_build(
     assert plan[:5] == [
         "Execution plan (cpu, float32):",
         "  projections: stored weights in the checkpoint's format, weight_gemm.c at every batch size",
-        "  decode attention: paged_attention.c; prefill attention: torch SDPA; sampling's argmax: argmax.c",
+        "  decode attention: paged_attention.c; prefill attention: prefill_attention.c;"
+        " sampling's argmax: argmax.c",
         "  decode-only steps: every layer in one decoder_step.c call",
         "  MLP act(gate) * up outside decoder_step.c: gated_activation.c",
     ]

@@ -1,6 +1,7 @@
 """Attention over the paged KV cache against softmax(q k^T * scale) v written out in fp64 here: our C
-decode kernel under every instruction-set build this CPU runs, and the whole ragged-batch entry point
-(`paged_attention`: cache writes, decodes, fresh and chunked prefills through PyTorch's SDPA).
+decode and prefill kernels under every instruction-set build this CPU runs, and the whole ragged-batch
+entry point (`paged_attention`: cache writes, decodes, fresh and chunked prefills, through the C kernels
+or PyTorch's).
 
 Tolerance: every path computes in fp32 (unit roundoff 6e-8). A score is a dot product of `head_dim`
 terms and an output a convex combination of up to ~160 value rows of magnitude ~1, so the accumulated
@@ -171,17 +172,76 @@ def test_native_decode_refuses_a_half_cache() -> None:
         )
 
 
+# (head_dim, block_size, group, context, new tokens, window): fresh prompts shorter and longer than a
+# chunk of the kernel's keys (64 on AVX-512), a chunk after context that starts mid-block, windows
+# shorter than the chunk and reaching back into the context; 36 is a multiple of the portable build's
+# vectors only (the others answer None; paged_attention then takes PyTorch's path, tested below).
+PREFILL_CASES = [
+    (64, 16, 3, 0, 37, None),
+    (64, 16, 3, 0, 300, None),
+    (128, 32, 8, 45, 70, None),
+    (32, 5, 1, 0, 131, 20),
+    (80, 16, 3, 100, 90, 150),
+    (36, 16, 2, 7, 9, None),
+    (256, 16, 4, 0, 200, 64),
+    (64, 8, 7, 250, 1, 100),
+]
+
+
+@pytest.mark.parametrize(("head_dim", "block_size", "group", "context", "new", "window"), PREFILL_CASES)
+def test_native_prefill_equals_fp64_attention(
+    isa: str, head_dim: int, block_size: int, group: int, context: int, new: int, window: int | None
+) -> None:
+    """The chunk's queries against their sequence's keys in place: NaN in every slot the sequence does not
+    hold (the padding block, its last block's tail) and in every block wholly behind the first query's
+    window, so that reading any of them would show."""
+    gen = torch.Generator().manual_seed(head_dim + block_size + group + context + new)
+    total = context + new
+    width = -(-total // block_size)
+    num_blocks = width + 1
+    shape = (KV_HEADS, num_blocks, block_size, head_dim)
+    caches = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    table = block_tables([total], width, block_size, num_blocks, gen)[0]
+    q = torch.randn(new, KV_HEADS * group, head_dim, generator=gen) * 1.5
+    scale = head_dim**-0.5
+    expected = reference_attention(
+        q, cached(caches[0], table, total), cached(caches[1], table, total), scale, window
+    )
+    poison_unused(caches, table[None], [total], float("nan"))
+    if window is not None:
+        for cache in caches:
+            cache[:, table[: max(0, context - window + 1) // block_size]] = float("nan")
+
+    actual = native.prefill_attention(q, *caches, table, context, scale, window)
+
+    vector = 16 if isa.startswith("avx512") else 8 if isa == "avx2" else 4
+    assert (actual is None) == (head_dim % vector != 0)
+    if actual is None:
+        return
+    torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_native_prefill_refuses_a_table_short_of_the_last_query() -> None:
+    cache = torch.zeros(KV_HEADS, 4, 16, 64)
+    with pytest.raises(ValueError, match="does not cover"):
+        native.prefill_attention(torch.zeros(20, KV_HEADS, 64), cache, cache, torch.tensor([0]), 0, 1.0)
+    with pytest.raises(ValueError, match="outside"):
+        native.prefill_attention(torch.zeros(2, KV_HEADS, 64), cache, cache, torch.tensor([4]), 0, 1.0)
+
+
 def slots_of(table: torch.Tensor, start: int, stop: int, block_size: int) -> torch.Tensor:
     t = torch.arange(start, stop)
     return table[t // block_size] * block_size + t % block_size
 
 
-@pytest.mark.parametrize("native_decode", [True, False])
-@pytest.mark.parametrize(("head_dim", "group"), [(64, 1), (80, 3), (128, 8)])
-def test_ragged_batch_equals_fp64_attention(head_dim: int, group: int, native_decode: bool) -> None:
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize(("head_dim", "group"), [(64, 1), (80, 3), (128, 8), (36, 2)])
+def test_ragged_batch_equals_fp64_attention(head_dim: int, group: int, native: bool) -> None:
     """Two decodes, a fresh prefill, and a chunk starting mid-sequence (45 tokens cached, mid-block),
     in one flat batch as the model runner lays it out: each token's K and V land in its slot, and each
-    output attends to its own sequence up to its own position."""
+    output attends to its own sequence up to its own position; through the C kernels (where the
+    prefill kernel's vectors do not divide head_dim, 36 on AVX-512, PyTorch's SDPA instead), or
+    PyTorch's."""
     block_size, width = 16, 8
     gen = torch.Generator().manual_seed(head_dim + group)
     decode_lens, fresh_len, context, chunk_len = [17, 1], 23, 45, 30
@@ -208,7 +268,8 @@ def test_ragged_batch_equals_fp64_attention(head_dim: int, group: int, native_de
             PrefillChunk(2, fresh_len, 0, tables[2]),
             PrefillChunk(2 + fresh_len, chunk_len, context, tables[3]),
         ],
-        native_decode=native_decode,
+        native_decode=native,
+        native_prefill=native,
     )
     scale = head_dim**-0.5
     expected, start = [], 0
@@ -219,7 +280,7 @@ def test_ragged_batch_equals_fp64_attention(head_dim: int, group: int, native_de
         values = torch.cat([cached(caches[1], table, first), v[rows]])
         expected.append(reference_attention(q[rows], keys, values, scale))
         start = rows.stop
-    poison_unused(caches, tables, totals, float("nan") if native_decode else 1e4)
+    poison_unused(caches, tables, totals, float("nan") if native else 1e4)
 
     out = paged_attention(q, k, v, *caches, meta, scale)
 

@@ -105,13 +105,12 @@ def test_decode_equals_windowed_reference(
         torch.testing.assert_close(out.double(), expected, rtol=TOL, atol=TOL)
 
 
-@pytest.mark.parametrize("native_decode", [True, False])
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize(("head_dim", "group", "window"), [(64, 1, 10), (80, 3, 21), (32, 4, 1)])
-def test_ragged_batch_equals_windowed_reference(
-    head_dim: int, group: int, window: int, native_decode: bool
-) -> None:
+def test_ragged_batch_equals_windowed_reference(head_dim: int, group: int, window: int, native: bool) -> None:
     """Two decodes past the window, fresh prefills longer and shorter than it, and a chunk starting
-    mid-block after more context than the window, longer than the window itself, in one flat batch."""
+    mid-block after more context than the window, longer than the window itself, in one flat batch;
+    through the C decode and prefill kernels, or through PyTorch."""
     block_size = 16
     gen = torch.Generator().manual_seed(head_dim + group + window)
     # (first new position, total) per sequence
@@ -143,7 +142,8 @@ def test_ragged_batch_equals_windowed_reference(
         decode_seq_lens=torch.tensor([total for _, total in news[:2]]),
         decode_max_len=max(total for _, total in news[:2]),
         prefills=chunks,
-        native_decode=native_decode,
+        native_decode=native,
+        native_prefill=native,
     )
 
     out = paged_attention(q, k, v, *seqs.caches, meta, scale, window)
@@ -242,15 +242,15 @@ def test_decoder_step_honours_the_layer_window() -> None:
         native.decoder_step(spec, x.clone(), torch.tensor([64]), slot, full_table, torch.tensor([21]))
 
 
-@pytest.mark.parametrize("native_decode", [True, False])
-def test_blocks_freed_behind_the_window_can_be_overwritten(native_decode: bool) -> None:
+@pytest.mark.parametrize("native", [True, False])
+def test_blocks_freed_behind_the_window_can_be_overwritten(native: bool) -> None:
     """A request in chunks, then decodes, with its blocks from the KV cache manager: each step another
     request takes every free block (those freed behind the window among them) and overwrites it, and the
-    first request's outputs still equal the reference over its whole history. NaN for the C kernel; 1e4
+    first request's outputs still equal the reference over its whole history. NaN for the C kernels; 1e4
     for PyTorch's decode, which reads the tail of a sequence's last block masked (a fresh block's tail
     holds what its last owner left)."""
     block_size, window, head_dim, heads, num_blocks = 4, 6, 32, 4, 8
-    fill = float("nan") if native_decode else 1e4
+    fill = float("nan") if native else 1e4
     manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False, sliding_window=window)
     caches = (
         torch.zeros(KV_HEADS, num_blocks, block_size, head_dim),
@@ -283,9 +283,7 @@ def test_blocks_freed_behind_the_window_can_be_overwritten(native_decode: bool) 
         )
         slots = slots_of(table, start, start + n, block_size)
         if n == 1:
-            meta = AttentionMetadata(
-                slots, 1, table[None], torch.tensor([start + 1]), start + 1, [], native_decode
-            )
+            meta = AttentionMetadata(slots, 1, table[None], torch.tensor([start + 1]), start + 1, [], native)
         else:
             meta = AttentionMetadata(
                 slots,
@@ -294,6 +292,7 @@ def test_blocks_freed_behind_the_window_can_be_overwritten(native_decode: bool) 
                 torch.tensor([], dtype=torch.int64),
                 0,
                 [PrefillChunk(0, n, start, table)],
+                native_prefill=native,
             )
         history.append((k, v))
 

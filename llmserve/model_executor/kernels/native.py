@@ -107,6 +107,10 @@ def _load(isa: str) -> ctypes.CDLL | None:
     library.kernels_isa.restype = ctypes.c_char_p
     library.paged_decode_attention.argtypes = [_PTR] * 6 + [_I64] * 9 + [ctypes.c_float, ctypes.c_int]
     library.paged_decode_attention.restype = ctypes.c_int
+    library.prefill_attention.argtypes = (
+        [_PTR] * 4 + [_I64] * 3 + [_PTR] + [_I64] * 6 + [ctypes.c_float, ctypes.c_int]
+    )
+    library.prefill_attention.restype = ctypes.c_int
     library.block_gemv.argtypes = [_PTR, _I64, _I64, ctypes.POINTER(Weight), _I64, _PTR, ctypes.c_int]
     library.block_gemv.restype = ctypes.c_int
     library.int8_gemm.argtypes = [_PTR, _I64, _I64, ctypes.POINTER(Weight), _I64, _PTR, ctypes.c_int]
@@ -230,6 +234,62 @@ def paged_decode_attention(
     if status != 0:
         raise MemoryError("paged_decode_attention could not allocate its score buffer.")
     return out.to(dtype)
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [q_len, heads, head_dim] fp32: the queries at positions context_len ..
+    k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim] fp32, this step's keys written
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [n] int64: the sequence's blocks, covering its last query's position
+    context_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor | None:
+    """One sequence's chunk of queries, each attending causally to its keys (the last `sliding_window`
+    of them when given), read in place from the caches (prefill_attention.c); None where head_dim is not
+    a multiple of the build's vectors, which the caller then attends another way."""
+    library = _library()
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {sliding_window}.")
+    _check("q", q, torch.float32, 3)
+    _check("k_cache", k_cache, torch.float32, 4)
+    _check("v_cache", v_cache, torch.float32, 4)
+    _check("block_table", block_table, torch.int64, 1)
+    q_len, num_heads, head_dim = q.shape
+    num_kv_heads, num_blocks, block_size, _ = k_cache.shape
+    if v_cache.shape != k_cache.shape or k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} and {tuple(v_cache.shape)}."
+        )
+    out = torch.empty_like(q)
+    status = library.prefill_attention(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_table.data_ptr(),
+        block_table.shape[0],
+        context_len,
+        q_len,
+        out.data_ptr(),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        num_blocks,
+        block_size,
+        sliding_window or 0,
+        scale,
+        torch.get_num_threads(),
+    )
+    if status == -1:
+        return None
+    if status == -2:
+        raise ValueError(
+            f"prefill_attention: the table ({block_table.shape[0]} blocks) does not cover positions up to"
+            f" {context_len + q_len - 1}, or holds an id outside [0, {num_blocks})."
+        )
+    if status != 0:
+        raise MemoryError("prefill_attention could not allocate its buffers.")
+    return out
 
 
 BLOCK_GEMV_MAX_ROWS = 16
