@@ -146,6 +146,22 @@ def test_round_activations_keeps_int8_steps_per_block() -> None:
     torch.testing.assert_close(steps.abs().amax(-1), torch.full((3, 3), 127.0))  # the block's largest
 
 
+def test_rounding_equals_its_definition_bit_for_bit() -> None:
+    """s * round-half-even(x * (1 / s)), s = max |x| / 127, each step in fp32: the AVX builds' vectors and
+    the portable loop give these bits, ties and all-zero blocks included."""
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(5)) * 3
+    x[0, :32] = 0.0
+    x[1, :32] = -0.0
+    x[2, :31] = torch.arange(31) - 15.5  # with s = 1 (max |x| 127), x * (1 / s) lands on halves
+    x[2, 31] = 127.0
+    blocks = x.numpy().reshape(-1, 32)
+    s = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
+    inverse = np.divide(np.float32(1), s, out=np.zeros_like(s), where=s != 0)
+    expected = torch.from_numpy((np.rint(blocks * inverse) * s).reshape(5, 256))
+    assert expected.dtype == torch.float32
+    assert torch.equal(round_activations(x), expected)
+
+
 def test_block_gemv_refuses_what_it_cannot_read() -> None:
     blocks = StoredTensor(int(Q.Q8_0), torch.from_numpy(quantize(np.ones((4, 64), np.float32), Q.Q8_0)), 64)
     with pytest.raises(ValueError, match="block types"):

@@ -23,11 +23,21 @@
 /* A block's int8 scale, max|x| / 127, and the factor that rounds to it (0 for an all-zero block). */
 static inline float block_scale(const float *xb, float *inverse)
 {
+#ifdef USE_AVX2
+    /* eight lanes of the same maximum (exact in any order; a NaN never wins, as below) */
+    __m256 lanes = _mm256_setzero_ps();
+    for (int j = 0; j < QK; j += 8)
+        lanes = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(xb + j)), lanes);
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+#else
     float amax = 0.0f;
     for (int j = 0; j < QK; j++) {
         const float a = fabsf(xb[j]);
         amax = a > amax ? a : amax; /* a max instruction; fmaxf, which must order NaNs, is a libm call */
     }
+#endif
     const float s = amax / 127.0f;
     *inverse = s != 0.0f ? 1.0f / s : 0.0f;
     return s;
@@ -40,10 +50,27 @@ void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *q, float *s
         float inv;
         const float s = block_scale(xb, &inv);
         int sum = 0;
+#ifdef USE_AVX2
+        /* cvtps rounds half to even, as nearbyintf does in the default rounding mode; |x * inv| <= 127 */
+        __m256i r[4], total = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), _mm256_set1_ps(inv)));
+            total = _mm256_add_epi32(total, r[i]);
+        }
+        const __m256i low = _mm256_packs_epi32(r[0], r[1]), high = _mm256_packs_epi32(r[2], r[3]);
+        /* the packs interleave 128-bit halves; the permute puts the 32 bytes back in order */
+        const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(low, high),
+                                                          _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + blk * QK), bytes);
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+        t = _mm_add_epi32(t, _mm_srli_si128(t, 8));
+        sum = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_srli_si128(t, 4)));
+#else
         for (int j = 0; j < QK; j++) {
             q[blk * QK + j] = (int8_t)nearbyintf(xb[j] * inv);
             sum += q[blk * QK + j];
         }
+#endif
         scales[blk] = s;
         sums[blk] = s * (float)sum;
     }
@@ -55,8 +82,16 @@ void round_rows(const float *x, int64_t rows, int64_t in, float *out)
         const float *xb = x + blk * QK;
         float inv;
         const float s = block_scale(xb, &inv);
+#ifdef USE_AVX2
+        for (int j = 0; j < QK; j += 8) {
+            const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + j), _mm256_set1_ps(inv)),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm256_storeu_ps(out + blk * QK + j, _mm256_mul_ps(r, _mm256_set1_ps(s)));
+        }
+#else
         for (int j = 0; j < QK; j++)
             out[blk * QK + j] = nearbyintf(xb[j] * inv) * s;
+#endif
     }
 }
 
