@@ -179,6 +179,16 @@ def _check_weight(weight: Weight, out_features: int) -> None:
         raise ValueError(f"out_features is {out_features}, but the weight's parts have {rows} rows.")
 
 
+def _check_fits_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """ValueError unless q [rows, heads, head_dim] fits head-major caches [kv_heads, blocks, block_size,
+    head_dim] of one shape, its heads a multiple of theirs."""
+    num_heads, head_dim = q.shape[1:]
+    if v_cache.shape != k_cache.shape or k_cache.shape[3] != head_dim or num_heads % k_cache.shape[0]:
+        raise ValueError(
+            f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} and {tuple(v_cache.shape)}."
+        )
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # [batch, heads, head_dim], the caches' dtype
     k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim], fp32 or bf16
@@ -204,10 +214,7 @@ def paged_decode_attention(
     q = q.float()
     batch, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_cache.shape
-    if v_cache.shape != k_cache.shape or k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
-        raise ValueError(
-            f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} and {tuple(v_cache.shape)}."
-        )
+    _check_fits_caches(q, k_cache, v_cache)
     _check_rows(batch, block_tables=block_tables, seq_lens=seq_lens)
     out = torch.empty_like(q)
     status = library.paged_decode_attention(
@@ -257,10 +264,7 @@ def prefill_attention(
     _check("block_table", block_table, torch.int64, 1)
     q_len, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_cache.shape
-    if v_cache.shape != k_cache.shape or k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
-        raise ValueError(
-            f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} and {tuple(v_cache.shape)}."
-        )
+    _check_fits_caches(q, k_cache, v_cache)
     out = torch.empty_like(q)
     status = library.prefill_attention(
         q.data_ptr(),

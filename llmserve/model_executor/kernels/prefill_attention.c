@@ -97,6 +97,12 @@ typedef struct {
     float scale;
 } Call;
 
+/* The first key the query at position p sees: p - window + 1, or 0 (window <= 0: all of them). */
+static inline int64_t first_seen(int64_t p, int64_t window)
+{
+    return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+}
+
 /* The cache slot of the key at position t. */
 static inline int64_t slot(const Call *c, int64_t t)
 {
@@ -181,8 +187,7 @@ static void task(const Call *c, int64_t h, int64_t i0, int64_t i1, float *s, flo
     const float *values[KC]; /* the chunk's value rows */
     /* the keys these rows see: position p sees (p - window, p] */
     const int64_t p_first = c->context_len + i0, p_last = c->context_len + i1 - 1;
-    const int64_t lo_first = c->window > 0 && p_first - c->window + 1 > 0 ? p_first - c->window + 1 : 0;
-    const int64_t lo_last = c->window > 0 && p_last - c->window + 1 > 0 ? p_last - c->window + 1 : 0;
+    const int64_t lo_first = first_seen(p_first, c->window), lo_last = first_seen(p_last, c->window);
     for (int64_t j0 = (lo_first - c->start) / KC * KC; c->start + j0 <= p_last; j0 += KC) {
         const int64_t t0 = c->start + j0; /* the chunk's first key's position */
         const int64_t u0 = t0 > lo_first ? t0 : lo_first, u1 = t0 + KC - 1 < p_last ? t0 + KC : p_last + 1;
@@ -197,7 +202,7 @@ static void task(const Call *c, int64_t h, int64_t i0, int64_t i1, float *s, flo
             float *sr = s + r * KC;
             if (!whole) {
                 const int64_t p = c->context_len + i0 + r / c->group;
-                const int64_t lo = c->window > 0 && p - c->window + 1 > 0 ? p - c->window + 1 : 0;
+                const int64_t lo = first_seen(p, c->window);
                 for (int64_t t = 0; t < KC; t++)
                     if (t0 + t < lo || t0 + t > p)
                         sr[t] = -INFINITY;
@@ -270,7 +275,7 @@ int prefill_attention(const float *q, const float *k_cache, const float *v_cache
     if (head_dim % VL != 0 || num_heads % num_kv_heads != 0)
         return -1;
     const int64_t group = num_heads / num_kv_heads, total = context_len + q_len;
-    const int64_t start = window > 0 && context_len - window + 1 > 0 ? context_len - window + 1 : 0;
+    const int64_t start = first_seen(context_len, window); /* the first query's */
     if (q_len < 1 || context_len < 0 || (total - 1) / block_size >= table_len)
         return -2;
     for (int64_t b = start / block_size; b <= (total - 1) / block_size; b++)
