@@ -4,7 +4,7 @@ The flattened batch holds the decode rows first (one per sequence, or with specu
 token of its sequence, each with its own length), then each prefill chunk. Decodes are attended in one
 call: on CPU, from fp32 or bf16 caches, by our C kernel (`kernels/paged_attention.c`, computing in
 fp32), which reads the blocks in place, else by PyTorch over gathered blocks. Prefill chunks go one
-sequence at a time: on CPU from fp32 caches through `kernels/prefill_attention.c`, which reads the
+sequence at a time: on CPU, from the same caches, through `kernels/prefill_attention.c`, which reads the
 chunk's keys and values in place once this step's are written (2.7x PyTorch's flash attention on
 SmolLM2's prompts of 32-512 tokens), else through `scaled_dot_product_attention`.
 
@@ -48,7 +48,7 @@ class AttentionMetadata:
     decode_max_len: int
     prefills: list[PrefillChunk]
     native_decode: bool = False  # through kernels/paged_attention.c (CPU, fp32 or bf16, when it built)
-    native_prefill: bool = False  # through kernels/prefill_attention.c (CPU, fp32, when it built)
+    native_prefill: bool = False  # through kernels/prefill_attention.c (CPU, fp32 or bf16, when it built)
 
 
 def write_kv(

@@ -15,8 +15,8 @@ the plan. The rules, each with the reason it exists:
   library built and the cache is fp32 or bf16 (widened exactly; it computes in fp32); else PyTorch
   gathers the blocks, which took 45% of a bf16 SmolLM2 run.
 - Prefill attention reads the chunk's keys and values in place in C (`prefill_attention.c`) on the CPU
-  wherever the library built and the cache is fp32: PyTorch's flash attention, one call per sequence,
-  took 2.7x as long on SmolLM2's prompts of 32-512 tokens (a sixth of a 64-prompt run).
+  wherever decode attention does: PyTorch's flash attention, one call per sequence, took 2.7x as long on
+  SmolLM2's prompts of 32-512 tokens (a sixth of a 64-prompt run).
 - Sampling's argmax (every greedy token) reads the logits with vectors in C (`argmax.c`) on the CPU
   wherever the library built: PyTorch's compares one value at a time, 12 ms a step for 64 rows of a
   262,144-token vocabulary. Same indices, ties and NaNs included.
@@ -93,12 +93,12 @@ class ExecutionPlan:
             reasons.append("C kernels unavailable (no compiler, or the build failed)")
         if device.type != "cpu":
             reasons.append(f"device {device.type}: PyTorch kernels")
-        # the decode attention also reads bf16 caches (widened exactly, computed in fp32)
+        # the attention kernels also read bf16 caches (widened exactly, computed in fp32)
         c_attention = (
             library and device.type == "cpu" and not encoder and dtype in (torch.float32, torch.bfloat16)
         )
         if dtype != torch.float32:
-            but = " but decode attention" if c_attention else ""
+            but = " but attention" if c_attention else ""
             reasons.append(
                 f"dtype {str(dtype).removeprefix('torch.')}: PyTorch kernels{but} (ours compute fp32)"
             )
@@ -121,9 +121,7 @@ class ExecutionPlan:
             block_rows=native.BLOCK_GEMV_MAX_ROWS if int8_activations else 0,
             int8_gemm=int8_activations and native_path and native.int8_gemm_available(),
             decode_attention="paged_attention.c" if c_attention else "torch",
-            prefill_attention="prefill_attention.c"
-            if c_attention and dtype == torch.float32
-            else "torch SDPA",
+            prefill_attention="prefill_attention.c" if c_attention else "torch SDPA",
             argmax="argmax.c" if library and device.type == "cpu" and not encoder else "torch",
             gated_activation="gated_activation.c" if decoder_kernels else "torch",
             fused_decode=decoder_kernels,

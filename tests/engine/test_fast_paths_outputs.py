@@ -24,7 +24,7 @@ from tests.greedy_match import NEAR_TIE_NATS, assert_same_greedy
 def test_native_decode_attention_gives_the_torch_outputs(
     tiny_llama_hf_dir: Path, dtype: str, tolerance: float
 ) -> None:
-    """In bf16 the C kernel reads the bf16 cache and computes in fp32 where PyTorch's gathered products
+    """In bf16 the C kernels read the bf16 cache and compute in fp32 where PyTorch's products
     round to bf16 on the way: logprobs agree within bf16's rounding, and a near-tie may rank the
     runners-up apart."""
     rng = random.Random(5)

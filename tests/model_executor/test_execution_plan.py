@@ -60,12 +60,14 @@ def test_without_our_kernels_weights_are_dense_through_onednn_and_torch_attentio
     assert any("native_kernels=False" in reason for reason in p.reasons)
 
 
-def test_bf16_compute_takes_pytorch_but_for_the_decode_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bf16_compute_takes_pytorch_but_for_the_attention(monkeypatch: pytest.MonkeyPatch) -> None:
     p = plan(dtype=torch.bfloat16)
     assert not p.stored_weights and not p.fused_decode
     assert p.decode_attention == "paged_attention.c" and p.gated_activation == "torch"
+    assert p.prefill_attention == "prefill_attention.c"
     assert any("bfloat16" in reason for reason in p.reasons)
-    assert plan(dtype=torch.float16).decode_attention == "torch"
+    half = plan(dtype=torch.float16)
+    assert half.decode_attention == "torch" and half.prefill_attention == "torch SDPA"
     monkeypatch.setattr(execution_plan, "cpu_has_bf16_products", lambda: True)
     assert p.dense_product() == "onednn" and plan(dtype=torch.float16).dense_product() == "torch"
     monkeypatch.setattr(execution_plan, "cpu_has_bf16_products", lambda: False)

@@ -221,6 +221,36 @@ def test_native_prefill_equals_fp64_attention(
     torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("head_dim", "block_size", "group", "context", "new", "window"), PREFILL_CASES[::2])
+def test_native_prefill_reads_bf16_caches_as_their_fp32_values(
+    isa: str, head_dim: int, block_size: int, group: int, context: int, new: int, window: int | None
+) -> None:
+    """`--dtype bfloat16`: bf16 queries and caches widen exactly and are computed with in fp32, so the
+    output is the fp32 kernel's on the widened values, rounded to bf16 once; the slots it must not read
+    hold NaN in bf16 too."""
+    gen = torch.Generator().manual_seed(head_dim * block_size + group + context + new)
+    total = context + new
+    width = -(-total // block_size)
+    shape = (KV_HEADS, width + 1, block_size, head_dim)
+    caches = torch.randn(shape, generator=gen).bfloat16(), torch.randn(shape, generator=gen).bfloat16()
+    table = block_tables([total], width, block_size, width + 1, gen)[0]
+    q = (torch.randn(new, KV_HEADS * group, head_dim, generator=gen) * 1.5).bfloat16()
+    scale = head_dim**-0.5
+    poison_unused(caches, table[None], [total], float("nan"))
+
+    actual = native.prefill_attention(q, *caches, table, context, scale, window)
+    widened = native.prefill_attention(
+        q.float(), caches[0].float(), caches[1].float(), table, context, scale, window
+    )
+
+    if head_dim % (16 if isa.startswith("avx512") else 8 if isa == "avx2" else 4):
+        assert actual is None and widened is None
+        return
+    assert actual is not None and widened is not None
+    assert actual.dtype == torch.bfloat16
+    assert torch.equal(actual, widened.bfloat16())
+
+
 def test_native_prefill_refuses_a_table_short_of_the_last_query() -> None:
     cache = torch.zeros(KV_HEADS, 4, 16, 64)
     with pytest.raises(ValueError, match="does not cover"):

@@ -108,7 +108,7 @@ def _load(isa: str) -> ctypes.CDLL | None:
     library.paged_decode_attention.argtypes = [_PTR] * 6 + [_I64] * 9 + [ctypes.c_float, ctypes.c_int]
     library.paged_decode_attention.restype = ctypes.c_int
     library.prefill_attention.argtypes = (
-        [_PTR] * 4 + [_I64] * 3 + [_PTR] + [_I64] * 6 + [ctypes.c_float, ctypes.c_int]
+        [_PTR] * 4 + [_I64] * 3 + [_PTR] + [_I64] * 7 + [ctypes.c_float, ctypes.c_int]
     )
     library.prefill_attention.restype = ctypes.c_int
     library.block_gemv.argtypes = [_PTR, _I64, _I64, ctypes.POINTER(Weight), _I64, _PTR, ctypes.c_int]
@@ -244,9 +244,9 @@ def paged_decode_attention(
 
 
 def prefill_attention(
-    q: torch.Tensor,  # [q_len, heads, head_dim] fp32: the queries at positions context_len ..
-    k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim] fp32, this step's keys written
-    v_cache: torch.Tensor,
+    q: torch.Tensor,  # [q_len, heads, head_dim], the caches' dtype: the queries at positions context_len ..
+    k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim] fp32 or bf16, this step's keys
+    v_cache: torch.Tensor,  # written
     block_table: torch.Tensor,  # [n] int64: the sequence's blocks, covering its last query's position
     context_len: int,
     scale: float,
@@ -254,14 +254,19 @@ def prefill_attention(
 ) -> torch.Tensor | None:
     """One sequence's chunk of queries, each attending causally to its keys (the last `sliding_window`
     of them when given), read in place from the caches (prefill_attention.c); None where head_dim is not
-    a multiple of the build's vectors, which the caller then attends another way."""
+    a multiple of the build's vectors, which the caller then attends another way. As in
+    `paged_decode_attention`, bf16 is computed with in fp32, the output rounded to bf16 once."""
     library = _library()
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be at least 1, got {sliding_window}.")
-    _check("q", q, torch.float32, 3)
-    _check("k_cache", k_cache, torch.float32, 4)
-    _check("v_cache", v_cache, torch.float32, 4)
+    dtype = k_cache.dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"prefill_attention reads fp32 or bf16 caches, not {dtype}.")
+    _check("q", q, dtype, 3)
+    _check("k_cache", k_cache, dtype, 4)
+    _check("v_cache", v_cache, dtype, 4)
     _check("block_table", block_table, torch.int64, 1)
+    q = q.float()
     q_len, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_cache.shape
     _check_fits_caches(q, k_cache, v_cache)
@@ -281,6 +286,7 @@ def prefill_attention(
         num_blocks,
         block_size,
         sliding_window or 0,
+        dtype == torch.bfloat16,
         scale,
         torch.get_num_threads(),
     )
@@ -293,7 +299,7 @@ def prefill_attention(
         )
     if status != 0:
         raise MemoryError("prefill_attention could not allocate its buffers.")
-    return out
+    return out.to(dtype)
 
 
 BLOCK_GEMV_MAX_ROWS = 16

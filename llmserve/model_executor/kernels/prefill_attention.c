@@ -1,5 +1,6 @@
-/* Prefill attention: one sequence's chunk of queries against its keys in the paged fp32 KV cache, causal
- * and within a sliding window, for CPUs.
+/* Prefill attention: one sequence's chunk of queries against its keys in the paged KV cache, fp32 or bf16,
+ * causal and within a sliding window, for CPUs. A bf16 cache's values widen exactly to fp32, in which
+ * everything is computed.
  *
  * PyTorch's flash attention (scaled_dot_product_attention, one call per sequence) ran at ~68 GFLOP/s on
  * two Zen 5 cores for SmolLM2's 64 prompts of 32-512 tokens, a sixth of a run's time: it multiplies
@@ -37,12 +38,35 @@
 
 typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(VL * sizeof(float))));
+typedef uint32_t vu __attribute__((vector_size(VL * sizeof(float))));
+typedef uint16_t vh __attribute__((vector_size(VL * sizeof(uint16_t))));
 
 static inline vf vload(const float *p)
 {
     vf v;
     memcpy(&v, p, sizeof v);
     return v;
+}
+
+/* VL values of a cache row from element i: fp32, or bf16 (a constant after inlining) widened exactly (a
+ * bf16's bits are the top half of the fp32's). */
+static inline vf cache_load(const void *row, int64_t i, int bf16)
+{
+    if (!bf16)
+        return vload((const float *)row + i);
+    vh h;
+    memcpy(&h, (const uint16_t *)row + i, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+
+static inline float cache_value(const void *row, int64_t i, int bf16)
+{
+    if (!bf16)
+        return ((const float *)row)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
 }
 
 static inline void vstore(float *p, vf v)
@@ -86,7 +110,7 @@ static inline vf vexp(vf x)
 
 typedef struct {
     const float *q;      /* [q_len, num_heads, head_dim] */
-    const float *v_cache; /* [kv_heads, num_blocks, block_size, head_dim] */
+    const void *v_cache; /* [kv_heads, num_blocks, block_size, head_dim], fp32 or bf16 */
     const int64_t *table;
     const float *kt;     /* [kv_heads, keys / KC, head_dim, KC]: the keys from `start` by chunks, each
                           * transposed (contiguous, so that a tile's loads do not collide in L1), zero
@@ -95,6 +119,7 @@ typedef struct {
     int64_t num_heads, group, head_dim, num_blocks, block_size;
     int64_t context_len, start, keys, window;
     float scale;
+    int bf16; /* the caches' values */
 } Call;
 
 /* The first key the query at position p sees: p - window + 1, or 0 (window <= 0: all of them). */
@@ -135,19 +160,18 @@ static inline void score_tile(const float *const *qr, int rows, const float *kt,
 
 /* o[r][d0..d0 + nv VL) += the sum over t in [t0, t1) of p[r][t] * values[t][d0..], for `rows` <= MR rows
  * and nv <= KV_VECTORS vectors of head_dim (hd values a row), both constants after inlining (the
- * accumulators then live in registers). */
-static inline void value_tile(const float *const *values, int rows, int nv, int64_t hd, int64_t d0,
-                              int64_t t0, int64_t t1, const float *p, float *o)
+ * accumulators then live in registers), as bf16 is. */
+static inline void value_tile(const void *const *values, int rows, int nv, int64_t hd, int64_t d0,
+                              int64_t t0, int64_t t1, const float *p, float *o, int bf16)
 {
     vf acc[MR][KV_VECTORS];
     for (int r = 0; r < rows; r++)
         for (int v = 0; v < nv; v++)
             acc[r][v] = vload(o + r * hd + d0 + v * VL);
     for (int64_t t = t0; t < t1; t++) {
-        const float *row = values[t] + d0;
         vf val[KV_VECTORS];
         for (int v = 0; v < nv; v++)
-            val[v] = vload(row + v * VL);
+            val[v] = cache_load(values[t], d0 + v * VL, bf16);
         for (int r = 0; r < rows; r++) {
             const vf w = broadcast(p[r * KC + t]);
             for (int v = 0; v < nv; v++)
@@ -172,8 +196,9 @@ static inline void value_tile(const float *const *values, int rows, int nv, int6
 #endif
 
 /* The task of KV head h and query positions [i0, i1): rows (i - i0) * group + g. s: [rows, KC], o: [rows,
- * head_dim], m, l: [rows]. */
-static void task(const Call *c, int64_t h, int64_t i0, int64_t i1, float *s, float *o, float *m, float *l)
+ * head_dim], m, l: [rows]. bf16: c->bf16, a constant after inlining. */
+static inline __attribute__((always_inline)) void task(const Call *c, int64_t h, int64_t i0, int64_t i1,
+                                                       float *s, float *o, float *m, float *l, int bf16)
 {
     const int64_t hd = c->head_dim, rows = (i1 - i0) * c->group;
     const float *qr[rows];
@@ -183,8 +208,8 @@ static void task(const Call *c, int64_t h, int64_t i0, int64_t i1, float *s, flo
         l[r] = 0.0f;
         memset(o + r * hd, 0, sizeof(float) * (size_t)hd);
     }
-    const float *vh = c->v_cache + h * c->num_blocks * c->block_size * hd;
-    const float *values[KC]; /* the chunk's value rows */
+    const char *head = (const char *)c->v_cache + h * c->num_blocks * c->block_size * hd * (bf16 ? 2 : 4);
+    const void *values[KC]; /* the chunk's value rows */
     /* the keys these rows see: position p sees (p - window, p] */
     const int64_t p_first = c->context_len + i0, p_last = c->context_len + i1 - 1;
     const int64_t lo_first = first_seen(p_first, c->window), lo_last = first_seen(p_last, c->window);
@@ -237,13 +262,13 @@ static void task(const Call *c, int64_t h, int64_t i0, int64_t i1, float *s, flo
                     o[r * hd + d] *= rescale;
         }
         for (int64_t t = u0; t < u1; t++)
-            values[t - t0] = vh + slot(c, t) * hd;
+            values[t - t0] = head + slot(c, t) * hd * (bf16 ? 2 : 4);
         for (int64_t r0 = 0; r0 < rows; r0 += MR) {
             const int n = rows - r0 < MR ? (int)(rows - r0) : MR;
             for (int64_t d0 = 0; d0 < hd; d0 += KV_VECTORS * VL) {
                 const int nv = hd - d0 < KV_VECTORS * VL ? (int)((hd - d0) / VL) : KV_VECTORS;
-#define VALUES(R) value_tile(values, R, KV_VECTORS, hd, d0, u0 - t0, u1 - t0, s + r0 * KC, o + r0 * hd)
-#define VALUES_PART(R) value_tile(values, R, nv, hd, d0, u0 - t0, u1 - t0, s + r0 * KC, o + r0 * hd)
+#define VALUES(R) value_tile(values, R, KV_VECTORS, hd, d0, u0 - t0, u1 - t0, s + r0 * KC, o + r0 * hd, bf16)
+#define VALUES_PART(R) value_tile(values, R, nv, hd, d0, u0 - t0, u1 - t0, s + r0 * KC, o + r0 * hd, bf16)
                 if (nv == KV_VECTORS)
                     BY_ROWS(n, VALUES)
                 else /* the last of a head_dim not a multiple of KV_VECTORS vectors */
@@ -261,16 +286,26 @@ static void task(const Call *c, int64_t h, int64_t i0, int64_t i1, float *s, flo
     }
 }
 
+static void task_f32(const Call *c, int64_t h, int64_t i0, int64_t i1, float *s, float *o, float *m, float *l)
+{
+    task(c, h, i0, i1, s, o, m, l, 0);
+}
+
+static void task_bf16(const Call *c, int64_t h, int64_t i0, int64_t i1, float *s, float *o, float *m, float *l)
+{
+    task(c, h, i0, i1, s, o, m, l, 1);
+}
+
 /* out [q_len, num_heads, head_dim] = attention of q (the same shape, fp32), the queries at positions
- * context_len .. context_len + q_len - 1, over the sequence's keys and values in the fp32 caches
- * [kv_heads, num_blocks, block_size, head_dim] through its block table of table_len ids (this step's keys
- * already written). window: the keys each query sees, its own included (<= 0: all). Returns 0; -1 where
+ * context_len .. context_len + q_len - 1, over the sequence's keys and values in the caches [kv_heads,
+ * num_blocks, block_size, head_dim], fp32 or with `cache_bf16` bf16, through its block table of table_len
+ * ids (this step's keys already written). window: the keys each query sees, its own included (<= 0: all). Returns 0; -1 where
  * head_dim is not a multiple of the build's vectors (the caller then takes another path); -2 where the
  * table does not cover the positions read or holds an id out of bounds; -3 if out of memory. */
-int prefill_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
+int prefill_attention(const float *q, const void *k_cache, const void *v_cache, const int64_t *table,
                       int64_t table_len, int64_t context_len, int64_t q_len, float *out, int64_t num_heads,
                       int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
-                      int64_t window, float scale, int num_threads)
+                      int64_t window, int64_t cache_bf16, float scale, int num_threads)
 {
     if (head_dim % VL != 0 || num_heads % num_kv_heads != 0)
         return -1;
@@ -290,7 +325,7 @@ int prefill_attention(const float *q, const float *k_cache, const float *v_cache
     int status = kt && scratch ? 0 : -3;
     if (status == 0) {
         const Call c = {q, v_cache, table, kt, out, num_heads, group, head_dim, num_blocks, block_size,
-                        context_len, start, keys, window, scale};
+                        context_len, start, keys, window, scale, cache_bf16 != 0};
 #pragma omp parallel num_threads(num_threads)
         {
 #pragma omp for collapse(2) schedule(static)
@@ -304,9 +339,9 @@ int prefill_attention(const float *q, const float *k_cache, const float *v_cache
                                 chunk[d * KC + j] = 0.0f;
                             continue;
                         }
-                        const float *k = k_cache + (h * num_blocks * block_size + slot(&c, t)) * head_dim;
+                        const int64_t at = (h * num_blocks * block_size + slot(&c, t)) * head_dim;
                         for (int64_t d = 0; d < head_dim; d++)
-                            chunk[d * KC + j] = k[d];
+                            chunk[d * KC + j] = cache_value(k_cache, at + d, c.bf16);
                     }
                 }
             float *mine = scratch + omp_get_thread_num() * per_thread;
@@ -315,8 +350,8 @@ int prefill_attention(const float *q, const float *k_cache, const float *v_cache
             for (int64_t run = runs - 1; run >= 0; run--)
                 for (int64_t h = 0; h < num_kv_heads; h++) {
                     const int64_t i0 = run * positions, i1 = i0 + positions < q_len ? i0 + positions : q_len;
-                    task(&c, h, i0, i1, mine, mine + rows * KC, mine + rows * (KC + head_dim),
-                         mine + rows * (KC + head_dim + 1));
+                    (c.bf16 ? task_bf16 : task_f32)(&c, h, i0, i1, mine, mine + rows * KC,
+                                                    mine + rows * (KC + head_dim), mine + rows * (KC + head_dim + 1));
                 }
         }
     }
