@@ -18,6 +18,9 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 Quantization = Literal["none", "gguf", "fp16", "int8", "int4"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+# vLLM's --kv-cache-dtype: auto keeps the model's dtype; bfloat16 stores keys and values in half the bytes
+# of fp32 (attention still computes in the model's dtype, fp32 on the CPU's exact path)
+KVCacheDtype = Literal["auto", "bfloat16"]
 # vLLM's --data-parallel-backend: mp starts the ranks as local processes, ray as actors on a Ray cluster
 DataParallelBackend = Literal["mp", "ray"]
 # vLLM's --runner: generate (sample tokens) or pooling (embed the prompt); auto: pooling for an encoder
@@ -65,10 +68,14 @@ class CacheConfig:
     # Bytes for the KV pool; None sizes it from free memory (see `kv_cache_budget`).
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
+    kv_cache_dtype: KVCacheDtype = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
+        if self.kv_cache_dtype not in get_args(KVCacheDtype):
+            choices = ", ".join(get_args(KVCacheDtype))
+            raise ValueError(f"kv_cache_dtype must be one of {choices}, got {self.kv_cache_dtype!r}.")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}.")
 
@@ -242,6 +249,7 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
+    kv_cache_dtype: KVCacheDtype = "auto"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     scheduling_policy: SchedulingPolicy = "fcfs"

@@ -46,7 +46,9 @@ class EngineCore:
             max_model_len = _max_model_len(config.model_config.max_model_len, model_max, None)
             num_blocks, kv_bytes = _bookkeeping_blocks(config), 0
         else:
-            self.model_runner = ModelRunner(config.model_config, arch_config, source, pooler)
+            self.model_runner = ModelRunner(
+                config.model_config, arch_config, source, pooler, config.cache_config.kv_cache_dtype
+            )
             num_blocks, kv_bytes, max_model_len = self._kv_pool(config, model_max)
         # A prompt the model must compute whole (an encoder's, or one pooled by MEAN or CLS) is never
         # split into chunks, so it must fit one step's token budget; nor may it skip cached blocks.
@@ -149,11 +151,12 @@ def _log_memory(runner: ModelRunner | EncoderModelRunner, limits: ResolvedLimits
         logger.info("KV cache: none (an encoder computes each prompt whole, in one step).")
         return
     logger.info(
-        "KV cache: %.2f GiB, %d blocks of %d tokens (%d tokens).",
+        "KV cache: %.2f GiB, %d blocks of %d tokens (%d tokens), %s.",
         kv_bytes / 2**30,
         limits.num_kv_blocks,
         limits.block_size,
         tokens,
+        str(runner.kv_cache_dtype).removeprefix("torch."),
     )
     logger.info(
         "Maximum concurrency for %d tokens per request: %.2fx",

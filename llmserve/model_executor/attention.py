@@ -54,10 +54,11 @@ class AttentionMetadata:
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """Store this step's keys and values ([num_tokens, kv_heads, head_dim]) in their cache slots."""
+    """Store this step's keys and values ([num_tokens, kv_heads, head_dim]) in their cache slots, rounded
+    to the cache's dtype (`--kv-cache-dtype`)."""
     num_kv_heads, _, _, head_dim = k_cache.shape
-    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1))
-    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
+    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
 
 
 def paged_attention(
@@ -104,16 +105,19 @@ def paged_attention(
             if sliding_window is not None and chunk.query_len > sliding_window:
                 positions = torch.arange(chunk.query_len, device=q.device)
                 mask = _visible(positions, positions, sliding_window)
-            out[rows] = _prefill(q[rows], k[rows].transpose(0, 1), v[rows].transpose(0, 1), mask, scale)
+            # the keys and values as the cache holds them, as every other path reads them
+            keys, values = (t[rows].to(k_cache.dtype).to(q.dtype).transpose(0, 1) for t in (k, v))
+            out[rows] = _prefill(q[rows], keys, values, mask, scale)
         else:
             out[rows] = _prefill_with_context(q[rows], k_cache, v_cache, chunk, scale, sliding_window)
     return out
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """Block ids [..., num_blocks] → their tokens [kv_heads, ..., num_blocks * block_size, head_dim]."""
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Block ids [..., num_blocks] → their tokens [kv_heads, ..., num_blocks * block_size, head_dim], in
+    `dtype` (the queries')."""
     blocks = cache[:, block_table]  # [kv_heads, ..., num_blocks, block_size, head_dim]
-    return blocks.flatten(-3, -2)
+    return blocks.flatten(-3, -2).to(dtype)
 
 
 def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -146,8 +150,8 @@ def _decode_attention(
     # Past a short row's table the ids are clamped to its (valid) padding; those keys are masked.
     ids = (first[:, None] + torch.arange(count, device=q.device)).clamp(max=tables.shape[1] - 1)
     row_tables = tables.gather(1, ids)  # [batch, count]
-    keys = _gather(k_cache, row_tables)  # [kv_heads, batch, L, head_dim]
-    values = _gather(v_cache, row_tables)
+    keys = _gather(k_cache, row_tables, q.dtype)  # [kv_heads, batch, L, head_dim]
+    values = _gather(v_cache, row_tables, q.dtype)
     # The query heads that share a KV head become rows of one matrix product per (kv head, sequence).
     grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
     scores = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scale)  # [kv_heads, batch, group, L]
@@ -174,8 +178,8 @@ def _prefill_with_context(
     total = chunk.context_len + chunk.query_len
     start = 0 if window is None else max(0, chunk.context_len - window + 1) // block_size * block_size
     table = chunk.block_table[start // block_size : -(-total // block_size)]
-    keys = _gather(k_cache, table)[:, : total - start]  # [kv_heads, total - start, head_dim]
-    values = _gather(v_cache, table)[:, : total - start]
+    keys = _gather(k_cache, table, q.dtype)[:, : total - start]  # [kv_heads, total - start, head_dim]
+    values = _gather(v_cache, table, q.dtype)[:, : total - start]
     query_pos = torch.arange(chunk.context_len, total, device=q.device)
     key_pos = torch.arange(start, total, device=q.device)
     return _prefill(q, keys, values, _visible(query_pos, key_pos, window), scale)

@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from llmserve.config import ModelConfig
+from llmserve.config import KVCacheDtype, ModelConfig
 from llmserve.engine.messages import TokenLogprobs
 from llmserve.model_executor.attention import AttentionMetadata, PrefillChunk
 from llmserve.model_executor.cpu_threads import configure_core_threads
@@ -51,10 +51,14 @@ class ModelRunner:
         decoder_config: DecoderConfig,
         source: ModelSource,
         pooler: PoolerConfig | None = None,
+        kv_cache_dtype: KVCacheDtype = "auto",
     ):
         self.pooler = None if pooler is None else Pooler(pooler)
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
+        self.kv_cache_dtype = (
+            self.dtype if kv_cache_dtype == "auto" else resolve_dtype(kv_cache_dtype, self.device)
+        )
         self.num_threads = configure_core_threads(model_config.num_threads)
         self.config = decoder_config
         model_cls = model_class(decoder_config.architecture)
@@ -84,7 +88,7 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         c = self.config
         per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
-        return per_token * block_size * self.dtype.itemsize
+        return per_token * block_size * self.kv_cache_dtype.itemsize
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
         """The KV pool, and the RoPE tables for the positions a sequence can reach."""
@@ -99,8 +103,8 @@ class ModelRunner:
         # cache starts at zero.
         def allocate() -> torch.Tensor:
             if self.native:
-                return empty_pool(shape, self.dtype)
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+                return empty_pool(shape, self.kv_cache_dtype)
+            return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
 
         self.kv_caches = [(allocate(), allocate()) for _ in range(c.num_hidden_layers)]
         if self.native:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import cast
 
 import pytest
+import torch
 from gguf import GGMLQuantizationType
 
 from llmserve import LLM, RequestOutput, SamplingParams
@@ -20,13 +21,17 @@ from tests.greedy_match import NEAR_TIE_NATS, assert_same_greedy
 
 
 @pytest.mark.usefixtures("native_library")
-@pytest.mark.parametrize(("dtype", "tolerance"), [("float32", 1e-4), ("bfloat16", 0.05)])
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype", "tolerance"),
+    [("float32", "auto", 1e-4), ("bfloat16", "auto", 0.05), ("float32", "bfloat16", 1e-3)],
+)
 def test_native_decode_attention_gives_the_torch_outputs(
-    tiny_llama_hf_dir: Path, dtype: str, tolerance: float
+    tiny_llama_hf_dir: Path, dtype: str, kv_cache_dtype: str, tolerance: float
 ) -> None:
     """In bf16 the C kernels read the bf16 cache and compute in fp32 where PyTorch's products
     round to bf16 on the way: logprobs agree within bf16's rounding, and a near-tie may rank the
-    runners-up apart."""
+    runners-up apart. A bf16 cache under the fp32 model (`--kv-cache-dtype bfloat16`) holds the same
+    rounded keys and values on both paths, but where their fp32 values differ by a rounding."""
     rng = random.Random(5)
     shared = [rng.randrange(3, VOCAB_SIZE) for _ in range(40)]
     prompts: list[TokensPrompt] = [
@@ -35,13 +40,19 @@ def test_native_decode_attention_gives_the_torch_outputs(
     ]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     results = {}
+    cache_dtype = torch.bfloat16 if "bfloat16" in (dtype, kv_cache_dtype) else torch.float32
     for native_kernels in (True, False):
         # Small token budget: prefill chunks, prefix hits and decodes share steps.
         llm = make_llm(
-            tiny_llama_hf_dir, native_kernels=native_kernels, max_num_batched_tokens=64, dtype=dtype
+            tiny_llama_hf_dir,
+            native_kernels=native_kernels,
+            max_num_batched_tokens=64,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
         )
         try:
             assert runner_of(llm).native == native_kernels
+            assert runner_of(llm).kv_caches[0][0].dtype == cache_dtype
             results[native_kernels] = llm.generate(prompts, params, use_tqdm=False)
             if not native_kernels:
                 bf16 = dtype == "bfloat16"

@@ -24,26 +24,40 @@ def logged(caplog: pytest.LogCaptureFixture, start: str) -> logging.LogRecord:
     return records[0]
 
 
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "kv_bytes", "kv_name"), [("auto", 4, "float32"), ("bfloat16", 2, "bfloat16")]
+)
 def test_start_up_logs_weights_kv_pool_concurrency_and_kernel_build(
-    tiny_llama_hf_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    tiny_llama_hf_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    kv_cache_dtype: str,
+    kv_bytes: int,
+    kv_name: str,
 ) -> None:
+    """The fp32 model's pool in fp32, or with `--kv-cache-dtype bfloat16` twice the tokens in bf16."""
     monkeypatch.delenv("LLMSERVE_CPU_ISA", raising=False)
     native._load.cache_clear()  # a core process loads (and logs) its build once; this one already may have
     caplog.set_level(logging.INFO, logger="llmserve")
     budget = (8 << 20) + 5000  # no whole number of blocks: the pool is the whole blocks, not the budget
-    llm = make_llm(tiny_llama_hf_dir, kv_cache_memory=budget, max_model_len=MAX_MODEL_LEN)
+    llm = make_llm(
+        tiny_llama_hf_dir, kv_cache_memory=budget, max_model_len=MAX_MODEL_LEN, kv_cache_dtype=kv_cache_dtype
+    )
     config = json.loads((tiny_llama_hf_dir / "config.json").read_text())
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     try:
         runner = runner_of(llm)
         pool_bytes = sum(t.nbytes for pair in runner.kv_caches for t in pair)
+        assert {t.element_size() for pair in runner.kv_caches for t in pair} == {kv_bytes}
         # RoPE tables for the positions a sequence can reach, not the model's whole context
         tables = {tuple(r.cos.shape) for r in runner.model.rotary_embeddings()}
         assert tables == {(MAX_MODEL_LEN, head_dim // 2)}
     finally:
         llm.shutdown()
 
-    block_bytes = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * BLOCK_SIZE * 4
+    block_bytes = (
+        2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * BLOCK_SIZE * kv_bytes
+    )
     blocks = budget // block_bytes
     tokens = blocks * BLOCK_SIZE
     with safe_open(str(tiny_llama_hf_dir / "model.safetensors"), "pt") as f:
@@ -57,8 +71,8 @@ def test_start_up_logs_weights_kv_pool_concurrency_and_kernel_build(
     assert weights.args == (pytest.approx(file_bytes / 2**30),)  # each weight once, as stored
     kv = logged(caplog, "KV cache:")
     assert pool_bytes == blocks * block_bytes
-    assert kv.args == (pytest.approx(pool_bytes / 2**30), blocks, BLOCK_SIZE, tokens)
-    assert kv.getMessage().endswith(f"{blocks} blocks of {BLOCK_SIZE} tokens ({tokens} tokens).")
+    assert kv.args == (pytest.approx(pool_bytes / 2**30), blocks, BLOCK_SIZE, tokens, kv_name)
+    assert kv.getMessage().endswith(f"{blocks} blocks of {BLOCK_SIZE} tokens ({tokens} tokens), {kv_name}.")
     concurrency = logged(caplog, "Maximum concurrency")
     assert concurrency.getMessage() == (
         f"Maximum concurrency for {MAX_MODEL_LEN} tokens per request: {tokens / MAX_MODEL_LEN:.2f}x"
@@ -72,3 +86,8 @@ def test_start_up_logs_weights_kv_pool_concurrency_and_kernel_build(
         "  decode-only steps: every layer in one decoder_step.c call",
         "  MLP act(gate) * up outside decoder_step.c: gated_activation.c",
     ]
+
+
+def test_an_unknown_kv_cache_dtype_is_refused_by_name(tiny_llama_hf_dir: Path) -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, got 'fp8'"):
+        make_llm(tiny_llama_hf_dir, kv_cache_dtype="fp8")

@@ -50,7 +50,8 @@ def test_the_engine_core_process_logs_its_memory_and_kernel_build(named_server: 
     assert f"llmserve.model_executor.kernels.native: Native kernels: {native.selected_isa()} build." in log
     assert "llmserve.engine.core: Model weights take " in log
     assert re.search(
-        r"llmserve\.engine\.core: KV cache: [\d.]+ GiB, \d+ blocks of 16 tokens \(\d+ tokens\)\.", log
+        r"llmserve\.engine\.core: KV cache: [\d.]+ GiB, \d+ blocks of 16 tokens \(\d+ tokens\), float32\.",
+        log,
     )
     assert "llmserve.engine.core: Maximum concurrency for 1024 tokens per request: " in log
 

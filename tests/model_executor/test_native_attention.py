@@ -125,7 +125,8 @@ def test_native_decode_reads_bf16_caches_as_their_fp32_values(
     isa: str, head_dim: int, block_size: int, group: int
 ) -> None:
     """`--dtype bfloat16`: a bf16 cache widens exactly and is computed with in fp32, so the output is the
-    fp32 kernel's on the widened values, rounded to bf16 once; and within that rounding of fp64."""
+    fp32 kernel's on the widened values, rounded to bf16 once; and within that rounding of fp64. Under
+    `--kv-cache-dtype bfloat16` the fp32 queries' output is the fp32 kernel's, unrounded."""
     gen = torch.Generator().manual_seed(head_dim + block_size + group)
     width = -(-140 // block_size)
     lens = [1, 17, 45, 131, width * block_size]
@@ -145,6 +146,7 @@ def test_native_decode_reads_bf16_caches_as_their_fp32_values(
 
     assert actual.dtype == torch.bfloat16
     assert torch.equal(actual, widened.bfloat16())
+    assert torch.equal(native.paged_decode_attention(q.float(), *caches, tables, seq_lens, scale), widened)
     expected = torch.stack(
         [
             reference_attention(
@@ -226,8 +228,8 @@ def test_native_prefill_reads_bf16_caches_as_their_fp32_values(
     isa: str, head_dim: int, block_size: int, group: int, context: int, new: int, window: int | None
 ) -> None:
     """`--dtype bfloat16`: bf16 queries and caches widen exactly and are computed with in fp32, so the
-    output is the fp32 kernel's on the widened values, rounded to bf16 once; the slots it must not read
-    hold NaN in bf16 too."""
+    output is the fp32 kernel's on the widened values, rounded to bf16 once (fp32 queries, under
+    `--kv-cache-dtype bfloat16`: unrounded); the slots it must not read hold NaN in bf16 too."""
     gen = torch.Generator().manual_seed(head_dim * block_size + group + context + new)
     total = context + new
     width = -(-total // block_size)
@@ -249,6 +251,8 @@ def test_native_prefill_reads_bf16_caches_as_their_fp32_values(
     assert actual is not None and widened is not None
     assert actual.dtype == torch.bfloat16
     assert torch.equal(actual, widened.bfloat16())
+    mixed = native.prefill_attention(q.float(), *caches, table, context, scale, window)
+    assert mixed is not None and torch.equal(mixed, widened)
 
 
 def test_native_prefill_refuses_a_table_short_of_the_last_query() -> None:
@@ -264,14 +268,18 @@ def slots_of(table: torch.Tensor, start: int, stop: int, block_size: int) -> tor
     return table[t // block_size] * block_size + t % block_size
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize(("head_dim", "group"), [(64, 1), (80, 3), (128, 8), (36, 2)])
-def test_ragged_batch_equals_fp64_attention(head_dim: int, group: int, native: bool) -> None:
+def test_ragged_batch_equals_fp64_attention(
+    head_dim: int, group: int, native: bool, cache_dtype: torch.dtype
+) -> None:
     """Two decodes, a fresh prefill, and a chunk starting mid-sequence (45 tokens cached, mid-block),
     in one flat batch as the model runner lays it out: each token's K and V land in its slot, and each
     output attends to its own sequence up to its own position; through the C kernels (where the
     prefill kernel's vectors do not divide head_dim, 36 on AVX-512, PyTorch's SDPA instead), or
-    PyTorch's."""
+    PyTorch's. With a bf16 cache under fp32 queries (`--kv-cache-dtype bfloat16`) every path attends to
+    the keys and values as the cache holds them, rounded, the new ones too."""
     block_size, width = 16, 8
     gen = torch.Generator().manual_seed(head_dim + group)
     decode_lens, fresh_len, context, chunk_len = [17, 1], 23, 45, 30
@@ -279,7 +287,10 @@ def test_ragged_batch_equals_fp64_attention(head_dim: int, group: int, native: b
     num_blocks = len(totals) * width + 1
     heads = KV_HEADS * group
     shape = (KV_HEADS, num_blocks, block_size, head_dim)
-    caches = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    caches = (
+        torch.randn(shape, generator=gen).to(cache_dtype),
+        torch.randn(shape, generator=gen).to(cache_dtype),
+    )
     tables = block_tables(totals, width, block_size, num_blocks, gen)
     # The new tokens: each decode's last, the whole fresh prefill, the chunk after its context.
     news = [(n - 1, n) for n in decode_lens] + [(0, fresh_len), (context, context + chunk_len)]
@@ -306,17 +317,18 @@ def test_ragged_batch_equals_fp64_attention(head_dim: int, group: int, native: b
     for table, (first, total) in zip(tables, news):
         rows = slice(start, start + total - first)
         # What the sequence holds once this step's tokens are in: the cached ones, then the new ones.
-        keys = torch.cat([cached(caches[0], table, first), k[rows]])
-        values = torch.cat([cached(caches[1], table, first), v[rows]])
+        keys = torch.cat([cached(caches[0], table, first), k[rows].to(cache_dtype)]).float()
+        values = torch.cat([cached(caches[1], table, first), v[rows].to(cache_dtype)]).float()
         expected.append(reference_attention(q[rows], keys, values, scale))
         start = rows.stop
     poison_unused(caches, tables, totals, float("nan") if native else 1e4)
 
     out = paged_attention(q, k, v, *caches, meta, scale)
 
+    assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), torch.cat(expected), rtol=1e-5, atol=1e-5)
     for cache, new in zip(caches, (k, v)):
-        assert torch.equal(cache.view(KV_HEADS, -1, head_dim)[:, slots].transpose(0, 1), new)
+        assert torch.equal(cache.view(KV_HEADS, -1, head_dim)[:, slots].transpose(0, 1), new.to(cache_dtype))
 
 
 def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

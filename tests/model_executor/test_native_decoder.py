@@ -212,6 +212,58 @@ def test_decode_step_over_a_filled_cache(
                 assert torch.equal(cache, old), "a write outside this step's slots"
 
 
+@pytest.mark.parametrize(("rows", "storage"), [(1, "Q4_1"), (7, "mixed")])
+def test_decode_step_into_a_bf16_cache(rows: int, storage: str) -> None:
+    """`--kv-cache-dtype bfloat16` under the fp32 model: decoder_step.c rounds the new keys and values as
+    PyTorch's write does (to nearest, ties to even), so both paths store the same bits but where their
+    fp32 values differ by a rounding, and attend alike to the rounded cache."""
+    config = tiny_config(False)
+    weights = stored_checkpoint(config, storage)
+    model = load_model(config, weights)
+    assert model.native_decoder is not None
+    gen = torch.Generator().manual_seed(rows)
+    shape = (config.num_key_value_heads, NUM_BLOCKS, BLOCK_SIZE, config.head_dim)
+    before = [
+        (torch.randn(shape, generator=gen).bfloat16(), torch.randn(shape, generator=gen).bfloat16())
+        for _ in model.layers
+    ]
+    lens = [int(n) for n in torch.randint(1, 9 * BLOCK_SIZE, (rows,), generator=gen)]
+    tables = torch.randperm(NUM_BLOCKS, generator=gen)[: rows * 9].view(rows, 9)
+    meta = decode_metadata(lens, tables)
+    ids = torch.randint(0, config.vocab_size, (rows,), generator=gen)
+    positions = torch.tensor(lens) - 1
+    caches = [(k.clone(), v.clone()) for k, v in before]
+    plain_caches = [(k.clone(), v.clone()) for k, v in before]
+
+    fast = logits_of(model, model.native_decoder, ids, positions, caches, meta)
+    plain = logits_of(model, None, ids, positions, plain_caches, meta)
+
+    ref = Fp64Llama(config, weights)
+    expected = []
+    for row, (table, n) in enumerate(zip(tables, lens)):
+        past = [(cached(k, table, n - 1).float(), cached(v, table, n - 1).float()) for k, v in before]
+        expected.append(ref.forward(ids[row : row + 1], n - 1, past)[0])
+    # the fp64 decoder keeps this step's keys and values unrounded: within their rounding (2^-9) of it
+    fp64 = torch.cat(expected)
+    for logits, want, tolerance in ((fast, fp64, 5e-2), (plain, fp64, 5e-2), (fast, plain.double(), 1e-3)):
+        error = (logits.double() - want).abs().amax(-1) / want.abs().amax(-1)
+        assert error.max() < tolerance, error
+    same = total = 0
+    for (k, v), (pk, pv), (ok, ov) in zip(caches, plain_caches, before):
+        for cache, plain_cache, old in ((k, pk, ok), (v, pv, ov)):
+            flat = cache.view(shape[0], -1, shape[-1])
+            written, plain_written = (
+                flat[:, meta.slot_mapping],
+                plain_cache.view_as(flat)[:, meta.slot_mapping],
+            )
+            torch.testing.assert_close(written.float(), plain_written.float(), rtol=2**-7, atol=1e-6)
+            same += int((written == plain_written).sum())
+            total += written.numel()
+            flat[:, meta.slot_mapping] = old.view_as(flat)[:, meta.slot_mapping]
+            assert torch.equal(cache, old), "a write outside this step's slots"
+    assert same >= 0.99 * total  # truncating instead of rounding would differ in about half
+
+
 def logits_of(
     model: LlamaForCausalLM,
     decoder: NativeDecoder | None,

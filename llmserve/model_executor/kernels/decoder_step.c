@@ -178,8 +178,18 @@ static void gate_up_act(const Weight *p, const Step *t, int64_t inter, int64_t a
     }
 }
 
+/* x rounded to bf16 as PyTorch rounds it: to nearest, ties to even; NaN stays NaN. */
+static inline uint16_t bf16_of(float x)
+{
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if (x != x)
+        return 0x7fc0;
+    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
 /* The q/k norms (where the layer has them) and RoPE on this step's queries and keys, then its keys and
- * values into their cache slots; rows split between the threads. */
+ * values into their cache slots (fp32, or rounded to bf16); rows split between the threads. */
 static void rope_and_store(const DecoderSpec *s, const LayerSpec *layer, float *qkv, int64_t rows,
                            const int64_t *positions, const int64_t *slots)
 {
@@ -198,10 +208,17 @@ static void rope_and_store(const DecoderSpec *s, const LayerSpec *layer, float *
         rope(k, s->num_kv_heads, s->head_dim, cos, sin);
         for (int64_t h = 0; h < s->num_kv_heads; h++) {
             const int64_t at = h * head_stride + slots[r] * s->head_dim;
-            for (int64_t d = 0; d < s->head_dim; d++) {
-                layer->k_cache[at + d] = k[h * s->head_dim + d];
-                layer->v_cache[at + d] = v[h * s->head_dim + d];
-            }
+            const float *kh = k + h * s->head_dim, *vh = v + h * s->head_dim;
+            if (s->kv_bf16)
+                for (int64_t d = 0; d < s->head_dim; d++) {
+                    ((uint16_t *)layer->k_cache)[at + d] = bf16_of(kh[d]);
+                    ((uint16_t *)layer->v_cache)[at + d] = bf16_of(vh[d]);
+                }
+            else
+                for (int64_t d = 0; d < s->head_dim; d++) {
+                    ((float *)layer->k_cache)[at + d] = kh[d];
+                    ((float *)layer->v_cache)[at + d] = vh[d];
+                }
         }
     }
 }
@@ -255,7 +272,7 @@ static void layer_step(const DecoderSpec *s, const LayerSpec *layer, Step *t, fl
                        t->block_tables + r * t->max_blocks, t->seq_lens[r], layer->sliding_window,
                        t->normed + r * q_size + head, group, s->head_dim, s->block_size,
                        h * s->num_blocks * s->block_size * s->head_dim, s->scale,
-                       t->scores + omp_get_thread_num() * group * t->max_len);
+                       t->scores + omp_get_thread_num() * group * t->max_len, (int)s->kv_bf16);
         }
     feed(s, t, t->normed, q_size);
     project_into_residual(s, &layer->o, t, layer->attn_out_norm, x);

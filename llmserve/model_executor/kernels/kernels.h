@@ -165,10 +165,11 @@ void int8_gemm_share(const Int8Rows *x, const Weight *w, int64_t out, float *y, 
 
 /* One sequence's query heads that share KV head `head_stride / (num_blocks * block_size * head_dim)`,
  * attending to its last `window` keys (window <= 0: all `len`), never reading a block before them:
- * q, out [group, head_dim]; scores: scratch of group * min(len, window) floats. */
-void attend_one(const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t len,
+ * q, out [group, head_dim]; scores: scratch of group * min(len, window) floats; caches fp32, or bf16 where
+ * `bf16`. */
+void attend_one(const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t len,
                 int64_t window, float *out, int64_t group, int64_t head_dim, int64_t block_size,
-                int64_t head_stride, float scale, float *scores);
+                int64_t head_stride, float scale, float *scores, int bf16);
 
 /* decoder_step.c's view of a model (native.py mirrors these in ctypes; layout.c exports their layout so
  * that native.py can check its copies at load time). */
@@ -178,7 +179,7 @@ typedef struct {
     const float *attn_out_norm, *mlp_out_norm; /* [hidden]: on the attention's and the MLP's outputs before
                                                   their residual adds, or NULL */
     Weight qkv, o, gate_up, down;              /* gate_up: the gate's rows, then the up's */
-    float *k_cache, *v_cache;                  /* [kv_heads, num_blocks, block_size, head_dim] */
+    void *k_cache, *v_cache;                   /* [kv_heads, num_blocks, block_size, head_dim], kv_bf16 */
     int64_t sliding_window;                    /* keys a query sees, its own included; 0: the whole sequence */
     const float *rope_cos, *rope_sin;          /* this layer's tables, [max_positions, head_dim / 2] */
 } LayerSpec;
@@ -186,6 +187,7 @@ typedef struct {
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int64_t num_blocks, block_size;
+    int64_t kv_bf16;          /* the caches hold bf16 (--kv-cache-dtype bfloat16), else fp32 */
     int64_t int8_activations; /* round each projection's input as block_q8.c does */
     int64_t block_rows;       /* with int8 activations, steps of up to this many rows go to block_q8.c */
     int64_t activation;       /* of the MLP's gate: 0 SiLU, 1 tanh GELU */

@@ -179,18 +179,28 @@ def _check_weight(weight: Weight, out_features: int) -> None:
         raise ValueError(f"out_features is {out_features}, but the weight's parts have {rows} rows.")
 
 
-def _check_fits_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def _check_fits_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.dtype:
     """ValueError unless q [rows, heads, head_dim] fits head-major caches [kv_heads, blocks, block_size,
-    head_dim] of one shape, its heads a multiple of theirs."""
+    head_dim] of one shape, its heads a multiple of theirs; fp32 or bf16 caches and queries of their dtype
+    or fp32 (`--kv-cache-dtype bfloat16` under an fp32 model). Returns the caches' dtype."""
+    dtype = k_cache.dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"The attention kernels read fp32 or bf16 caches, not {dtype}.")
+    if q.dtype not in (dtype, torch.float32):
+        raise ValueError(f"q must be float32 or the caches' {dtype}, got {q.dtype}.")
+    _check("q", q, q.dtype, 3)
+    _check("k_cache", k_cache, dtype, 4)
+    _check("v_cache", v_cache, dtype, 4)
     num_heads, head_dim = q.shape[1:]
     if v_cache.shape != k_cache.shape or k_cache.shape[3] != head_dim or num_heads % k_cache.shape[0]:
         raise ValueError(
             f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} and {tuple(v_cache.shape)}."
         )
+    return dtype
 
 
 def paged_decode_attention(
-    q: torch.Tensor,  # [batch, heads, head_dim], the caches' dtype
+    q: torch.Tensor,  # [batch, heads, head_dim], the caches' dtype or fp32
     k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim], fp32 or bf16
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [batch, max_blocks] int64
@@ -200,21 +210,16 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Each query attends to the last `sliding_window` keys of its sequence (all of them when None); the
     blocks before those are never read, so their table entries need only be valid ids. bf16 caches and
-    queries are computed with in fp32 (a bf16 widens exactly), the output rounded to bf16 once."""
+    queries are computed with in fp32 (a bf16 widens exactly), the output in q's dtype (a bf16 one rounded
+    once)."""
     library = _library()
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be at least 1, got {sliding_window}.")
-    dtype = k_cache.dtype
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"paged_decode_attention reads fp32 or bf16 caches, not {dtype}.")
     q = q.contiguous()
-    _check("q", q, dtype, 3)
-    _check("k_cache", k_cache, dtype, 4)
-    _check("v_cache", v_cache, dtype, 4)
+    dtype, q_dtype = _check_fits_caches(q, k_cache, v_cache), q.dtype
     q = q.float()
     batch, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_cache.shape
-    _check_fits_caches(q, k_cache, v_cache)
     _check_rows(batch, block_tables=block_tables, seq_lens=seq_lens)
     out = torch.empty_like(q)
     status = library.paged_decode_attention(
@@ -240,11 +245,11 @@ def paged_decode_attention(
         raise ValueError(f"paged_decode_attention: a length or block id out of bounds ({num_blocks} blocks).")
     if status != 0:
         raise MemoryError("paged_decode_attention could not allocate its score buffer.")
-    return out.to(dtype)
+    return out.to(q_dtype)
 
 
 def prefill_attention(
-    q: torch.Tensor,  # [q_len, heads, head_dim], the caches' dtype: the queries at positions context_len ..
+    q: torch.Tensor,  # [q_len, heads, head_dim], the caches' dtype or fp32: positions context_len ..
     k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim] fp32 or bf16, this step's keys
     v_cache: torch.Tensor,  # written
     block_table: torch.Tensor,  # [n] int64: the sequence's blocks, covering its last query's position
@@ -255,21 +260,15 @@ def prefill_attention(
     """One sequence's chunk of queries, each attending causally to its keys (the last `sliding_window`
     of them when given), read in place from the caches (prefill_attention.c); None where head_dim is not
     a multiple of the build's vectors, which the caller then attends another way. As in
-    `paged_decode_attention`, bf16 is computed with in fp32, the output rounded to bf16 once."""
+    `paged_decode_attention`, bf16 is computed with in fp32, the output in q's dtype."""
     library = _library()
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be at least 1, got {sliding_window}.")
-    dtype = k_cache.dtype
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"prefill_attention reads fp32 or bf16 caches, not {dtype}.")
-    _check("q", q, dtype, 3)
-    _check("k_cache", k_cache, dtype, 4)
-    _check("v_cache", v_cache, dtype, 4)
     _check("block_table", block_table, torch.int64, 1)
+    dtype, q_dtype = _check_fits_caches(q, k_cache, v_cache), q.dtype
     q = q.float()
     q_len, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_cache.shape
-    _check_fits_caches(q, k_cache, v_cache)
     out = torch.empty_like(q)
     status = library.prefill_attention(
         q.data_ptr(),
@@ -299,7 +298,7 @@ def prefill_attention(
         )
     if status != 0:
         raise MemoryError("prefill_attention could not allocate its buffers.")
-    return out.to(dtype)
+    return out.to(q_dtype)
 
 
 BLOCK_GEMV_MAX_ROWS = 16

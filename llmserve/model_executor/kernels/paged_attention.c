@@ -213,11 +213,14 @@ __attribute__((always_inline)) static inline void attend(
 }
 
 void attend_one(
-    const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t len,
+    const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t len,
     int64_t window, float *out, int64_t group, int64_t head_dim, int64_t block_size, int64_t head_stride,
-    float scale, float *scores)
+    float scale, float *scores, int bf16)
 {
-    attend(q, k_cache, v_cache, table, len, window, out, group, head_dim, block_size, head_stride, scale, scores, 0);
+    if (bf16)
+        attend(q, k_cache, v_cache, table, len, window, out, group, head_dim, block_size, head_stride, scale, scores, 1);
+    else
+        attend(q, k_cache, v_cache, table, len, window, out, group, head_dim, block_size, head_stride, scale, scores, 0);
 }
 
 int tables_in_bounds(const int64_t *block_tables, const int64_t *seq_lens, int64_t rows, int64_t max_blocks,

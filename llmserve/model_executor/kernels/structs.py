@@ -45,7 +45,9 @@ class DecoderSpec(ctypes.Structure):
 
     _fields_ = [
         *((name, _I64) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim")),
-        *((name, _I64) for name in ("intermediate", "num_blocks", "block_size", "int8_activations")),
+        *((name, _I64) for name in ("intermediate", "num_blocks", "block_size")),
+        ("kv_bf16", _I64),  # the caches hold bf16 (--kv-cache-dtype bfloat16), else fp32
+        ("int8_activations", _I64),
         ("block_rows", _I64),
         ("activation", _I64),  # 0 SiLU, 1 tanh GELU
         ("rope_positions", _I64),  # rows of every layer's RoPE tables

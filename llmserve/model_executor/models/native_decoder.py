@@ -85,6 +85,7 @@ class NativeDecoder:
             spec.rope_cos, spec.rope_sin = rotary.cos.data_ptr(), rotary.sin.data_ptr()
             self.spec.rope_positions = rotary.cos.shape[0]  # the same for every table
         _, self.spec.num_blocks, self.spec.block_size, _ = kv_caches[0][0].shape
+        self.spec.kv_bf16 = kv_caches[0][0].dtype == torch.bfloat16  # else fp32 (`--kv-cache-dtype`)
         self.kv_caches = kv_caches
 
 
