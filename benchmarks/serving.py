@@ -232,6 +232,7 @@ def ours(args: argparse.Namespace, levels: list[Workload]) -> tuple[str, list[li
     for size in args.data_parallel_size or [None]:
         port = free_port()
         command = llmserve_command(model, port, args.dtype, args.quantization)
+        command += ["--kv-cache-dtype", args.kv_cache_dtype]
         name = "llmserve"
         if size is not None:
             threads = max(1, engine_threads() // size)
@@ -290,6 +291,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="to serve, or the server's first /models")
     parser.add_argument("--dtype", default="auto", help="for the server this starts")
     parser.add_argument("--quantization", default="none", help="for the server this starts")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="for the server this starts")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--requests-per-stream", type=int, default=4)
     parser.add_argument("--num-prompts", type=int, default=None, help="per level, instead of the above")

@@ -109,6 +109,7 @@ def run_llmserve(args: argparse.Namespace, works: list[Workload]) -> list[Timing
         model=args.model,
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=max(len(w.prompts) for w in works),
     )
     llm.generate(
@@ -292,6 +293,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="none", help="ours (the peers run as they do)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="ours (the peers run as they do)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=[*PEERS, "none"])
     parser.add_argument("--hf-batch-size", type=int, default=64)
