@@ -23,10 +23,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def llmserve_command(model: str, port: int, dtype: str, quantization: str = "none") -> list[str]:
+def llmserve_command(
+    model: str, port: int, dtype: str, quantization: str = "none", kv_cache_dtype: str = "auto"
+) -> list[str]:
     return [sys.executable, "-m", "llmserve.entrypoints.cli", "serve", model, "--port", str(port),
-            "--dtype", dtype, "--quantization", quantization, "--disable-log-stats",
-            "--uvicorn-log-level", "warning"]  # fmt: skip
+            "--dtype", dtype, "--quantization", quantization, "--kv-cache-dtype", kv_cache_dtype,
+            "--disable-log-stats", "--uvicorn-log-level", "warning"]  # fmt: skip
 
 
 def llama_cpp_command(python: str, gguf: Path, port: int, context: int, threads: int) -> list[str]:

@@ -231,8 +231,7 @@ def ours(args: argparse.Namespace, levels: list[Workload]) -> tuple[str, list[li
     runs = []
     for size in args.data_parallel_size or [None]:
         port = free_port()
-        command = llmserve_command(model, port, args.dtype, args.quantization)
-        command += ["--kv-cache-dtype", args.kv_cache_dtype]
+        command = llmserve_command(model, port, args.dtype, args.quantization, args.kv_cache_dtype)
         name = "llmserve"
         if size is not None:
             threads = max(1, engine_threads() // size)

@@ -18,8 +18,8 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 Quantization = Literal["none", "gguf", "fp16", "int8", "int4"]
 SchedulingPolicy = Literal["fcfs", "priority"]
-# vLLM's --kv-cache-dtype: auto keeps the model's dtype; bfloat16 stores keys and values in half the bytes
-# of fp32 (attention still computes in the model's dtype, fp32 on the CPU's exact path)
+# vLLM's --kv-cache-dtype: auto keeps the model's dtype; bfloat16 stores an fp32 model's keys and values in
+# half the bytes, rounded once as they are written (the CPU's attention kernels compute in fp32 either way)
 KVCacheDtype = Literal["auto", "bfloat16"]
 # vLLM's --data-parallel-backend: mp starts the ranks as local processes, ray as actors on a Ray cluster
 DataParallelBackend = Literal["mp", "ray"]

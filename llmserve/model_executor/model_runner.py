@@ -59,6 +59,11 @@ class ModelRunner:
         self.kv_cache_dtype = (
             self.dtype if kv_cache_dtype == "auto" else resolve_dtype(kv_cache_dtype, self.device)
         )
+        if self.kv_cache_dtype != self.dtype and self.dtype != torch.float32:  # fp16 to bf16 would only lose
+            raise ValueError(
+                f"kv_cache_dtype={kv_cache_dtype!r} is for float32 models; this one computes in"
+                f" {str(self.dtype).removeprefix('torch.')}."
+            )
         self.num_threads = configure_core_threads(model_config.num_threads)
         self.config = decoder_config
         model_cls = model_class(decoder_config.architecture)

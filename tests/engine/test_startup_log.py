@@ -91,3 +91,11 @@ def test_start_up_logs_weights_kv_pool_concurrency_and_kernel_build(
 def test_an_unknown_kv_cache_dtype_is_refused_by_name(tiny_llama_hf_dir: Path) -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, got 'fp8'"):
         make_llm(tiny_llama_hf_dir, kv_cache_dtype="fp8")
+
+
+def test_a_bf16_cache_is_refused_under_a_float16_model(tiny_llama_hf_dir: Path) -> None:
+    """fp16 to bf16 loses bits and saves none."""
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype='bfloat16' is for float32 models; this one computes in"
+    ):
+        make_llm(tiny_llama_hf_dir, dtype="float16", kv_cache_dtype="bfloat16")

@@ -223,13 +223,14 @@ def test_native_prefill_equals_fp64_attention(
     torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("head_dim", "block_size", "group", "context", "new", "window"), PREFILL_CASES[::2])
+@pytest.mark.parametrize(("head_dim", "block_size", "group", "context", "new", "window"), PREFILL_CASES)
 def test_native_prefill_reads_bf16_caches_as_their_fp32_values(
     isa: str, head_dim: int, block_size: int, group: int, context: int, new: int, window: int | None
 ) -> None:
     """`--dtype bfloat16`: bf16 queries and caches widen exactly and are computed with in fp32, so the
     output is the fp32 kernel's on the widened values, rounded to bf16 once (fp32 queries, under
-    `--kv-cache-dtype bfloat16`: unrounded); the slots it must not read hold NaN in bf16 too."""
+    `--kv-cache-dtype bfloat16`: unrounded); the slots it must not read (the sequence's padding, the
+    blocks wholly behind the first query's window) hold NaN in bf16 too."""
     gen = torch.Generator().manual_seed(head_dim * block_size + group + context + new)
     total = context + new
     width = -(-total // block_size)
@@ -239,6 +240,9 @@ def test_native_prefill_reads_bf16_caches_as_their_fp32_values(
     q = (torch.randn(new, KV_HEADS * group, head_dim, generator=gen) * 1.5).bfloat16()
     scale = head_dim**-0.5
     poison_unused(caches, table[None], [total], float("nan"))
+    if window is not None:
+        for cache in caches:
+            cache[:, table[: max(0, context - window + 1) // block_size]] = float("nan")
 
     actual = native.prefill_attention(q, *caches, table, context, scale, window)
     widened = native.prefill_attention(

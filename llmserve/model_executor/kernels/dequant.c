@@ -50,13 +50,10 @@ static float float_weight(int qtype, const uint8_t *src, int64_t i)
 {
     if (qtype == F16)
         return read_half(src + 2 * i);
+    if (qtype == BF16)
+        return bf16_to_float((uint16_t)(src[2 * i] | src[2 * i + 1] << 8));
     float v;
-    if (qtype == F32) {
-        memcpy(&v, src + 4 * i, 4);
-    } else {
-        const uint32_t bits = (uint32_t)(src[2 * i] | src[2 * i + 1] << 8) << 16;
-        memcpy(&v, &bits, 4);
-    }
+    memcpy(&v, src + 4 * i, 4);
     return v;
 }
 

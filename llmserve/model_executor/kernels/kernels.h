@@ -39,6 +39,15 @@ static inline float read_half(const uint8_t *p)
 #endif
 }
 
+/* The bf16 h as a float: its bits are the top half of the float's, so it widens exactly. */
+static inline float bf16_to_float(uint16_t h)
+{
+    const uint32_t bits = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
 #ifdef USE_AVX2
 static inline float hsum(__m256 v)
 {

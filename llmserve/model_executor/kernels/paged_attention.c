@@ -26,12 +26,7 @@ static inline const void *at(const void *cache, int64_t i, int bf16)
 
 static inline float value_at(const void *cache, int64_t i, int bf16)
 {
-    if (!bf16)
-        return ((const float *)cache)[i];
-    const uint32_t bits = (uint32_t)((const uint16_t *)cache)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+    return bf16 ? bf16_to_float(((const uint16_t *)cache)[i]) : ((const float *)cache)[i];
 }
 
 #ifdef USE_AVX2
@@ -218,9 +213,11 @@ void attend_one(
     float scale, float *scores, int bf16)
 {
     if (bf16)
-        attend(q, k_cache, v_cache, table, len, window, out, group, head_dim, block_size, head_stride, scale, scores, 1);
+        attend(q, k_cache, v_cache, table, len, window, out, group, head_dim, block_size, head_stride, scale,
+               scores, 1);
     else
-        attend(q, k_cache, v_cache, table, len, window, out, group, head_dim, block_size, head_stride, scale, scores, 0);
+        attend(q, k_cache, v_cache, table, len, window, out, group, head_dim, block_size, head_stride, scale,
+               scores, 0);
 }
 
 int tables_in_bounds(const int64_t *block_tables, const int64_t *seq_lens, int64_t rows, int64_t max_blocks,

@@ -61,12 +61,7 @@ static inline vf cache_load(const void *row, int64_t i, int bf16)
 
 static inline float cache_value(const void *row, int64_t i, int bf16)
 {
-    if (!bf16)
-        return ((const float *)row)[i];
-    const uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
-    float x;
-    memcpy(&x, &bits, sizeof x);
-    return x;
+    return bf16 ? bf16_to_float(((const uint16_t *)row)[i]) : ((const float *)row)[i];
 }
 
 static inline void vstore(float *p, vf v)
@@ -160,7 +155,7 @@ static inline void score_tile(const float *const *qr, int rows, const float *kt,
 
 /* o[r][d0..d0 + nv VL) += the sum over t in [t0, t1) of p[r][t] * values[t][d0..], for `rows` <= MR rows
  * and nv <= KV_VECTORS vectors of head_dim (hd values a row), both constants after inlining (the
- * accumulators then live in registers), as bf16 is. */
+ * accumulators then live in registers); bf16 too is a constant after inlining. */
 static inline void value_tile(const void *const *values, int rows, int nv, int64_t hd, int64_t d0,
                               int64_t t0, int64_t t1, const float *p, float *o, int bf16)
 {
@@ -286,12 +281,14 @@ static inline __attribute__((always_inline)) void task(const Call *c, int64_t h,
     }
 }
 
-static void task_f32(const Call *c, int64_t h, int64_t i0, int64_t i1, float *s, float *o, float *m, float *l)
+static void task_f32(const Call *c, int64_t h, int64_t i0, int64_t i1, float *s, float *o, float *m,
+                     float *l)
 {
     task(c, h, i0, i1, s, o, m, l, 0);
 }
 
-static void task_bf16(const Call *c, int64_t h, int64_t i0, int64_t i1, float *s, float *o, float *m, float *l)
+static void task_bf16(const Call *c, int64_t h, int64_t i0, int64_t i1, float *s, float *o, float *m,
+                      float *l)
 {
     task(c, h, i0, i1, s, o, m, l, 1);
 }
@@ -299,9 +296,10 @@ static void task_bf16(const Call *c, int64_t h, int64_t i0, int64_t i1, float *s
 /* out [q_len, num_heads, head_dim] = attention of q (the same shape, fp32), the queries at positions
  * context_len .. context_len + q_len - 1, over the sequence's keys and values in the caches [kv_heads,
  * num_blocks, block_size, head_dim], fp32 or with `cache_bf16` bf16, through its block table of table_len
- * ids (this step's keys already written). window: the keys each query sees, its own included (<= 0: all). Returns 0; -1 where
- * head_dim is not a multiple of the build's vectors (the caller then takes another path); -2 where the
- * table does not cover the positions read or holds an id out of bounds; -3 if out of memory. */
+ * ids (this step's keys already written). window: the keys each query sees, its own included (<= 0:
+ * all). Returns 0; -1 where head_dim is not a multiple of the build's vectors (the caller then takes
+ * another path); -2 where the table does not cover the positions read or holds an id out of bounds; -3
+ * if out of memory. */
 int prefill_attention(const float *q, const void *k_cache, const void *v_cache, const int64_t *table,
                       int64_t table_len, int64_t context_len, int64_t q_len, float *out, int64_t num_heads,
                       int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
@@ -350,8 +348,8 @@ int prefill_attention(const float *q, const void *k_cache, const void *v_cache, 
             for (int64_t run = runs - 1; run >= 0; run--)
                 for (int64_t h = 0; h < num_kv_heads; h++) {
                     const int64_t i0 = run * positions, i1 = i0 + positions < q_len ? i0 + positions : q_len;
-                    (c.bf16 ? task_bf16 : task_f32)(&c, h, i0, i1, mine, mine + rows * KC,
-                                                    mine + rows * (KC + head_dim), mine + rows * (KC + head_dim + 1));
+                    float *o = mine + rows * KC, *m = o + rows * head_dim, *l = m + rows;
+                    (c.bf16 ? task_bf16 : task_f32)(&c, h, i0, i1, mine, o, m, l);
                 }
         }
     }
