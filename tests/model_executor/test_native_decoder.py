@@ -12,6 +12,8 @@ scale, bias or head mapping each fails by far more.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -143,6 +145,46 @@ def decode_metadata(lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
     )
 
 
+@dataclass
+class DecodeStep:
+    """One decode step of random rows over random cache contents, through decoder_step.c (`fast`) and
+    through the PyTorch layers (`plain`), each from its own copy of the caches (`before`)."""
+
+    before: list[KVCache]
+    lens: list[int]
+    tables: torch.Tensor
+    meta: AttentionMetadata
+    ids: torch.Tensor
+    fast: torch.Tensor  # logits
+    caches: list[KVCache]
+    plain: torch.Tensor
+    plain_caches: list[KVCache]
+
+
+def decode_step_both_ways(
+    model: LlamaForCausalLM, config: DecoderConfig, rows: int, cache_dtype: torch.dtype
+) -> DecodeStep:
+    assert model.native_decoder is not None
+    gen = torch.Generator().manual_seed(rows)
+    shape = (config.num_key_value_heads, NUM_BLOCKS, BLOCK_SIZE, config.head_dim)
+    before = [
+        (torch.randn(shape, generator=gen).to(cache_dtype), torch.randn(shape, generator=gen).to(cache_dtype))
+        for _ in model.layers
+    ]
+    lens = [int(n) for n in torch.randint(1, 9 * BLOCK_SIZE, (rows,), generator=gen)]
+    lens[0] = 1  # a first token attends only to itself
+    # Scattered blocks, no two rows sharing one (each writes its new token's slot).
+    tables = torch.randperm(NUM_BLOCKS, generator=gen)[: rows * 9].view(rows, 9)
+    meta = decode_metadata(lens, tables)
+    ids = torch.randint(0, config.vocab_size, (rows,), generator=gen)
+    positions = torch.tensor(lens) - 1
+    caches = [(k.clone(), v.clone()) for k, v in before]
+    plain_caches = [(k.clone(), v.clone()) for k, v in before]
+    fast = logits_of(model, model.native_decoder, ids, positions, caches, meta)
+    plain = logits_of(model, None, ids, positions, plain_caches, meta)
+    return DecodeStep(before, lens, tables, meta, ids, fast, caches, plain, plain_caches)
+
+
 @pytest.mark.parametrize(
     ("rows", "attention_bias", "storage", "quantization"),
     [
@@ -168,23 +210,12 @@ def test_decode_step_over_a_filled_cache(
     config = tiny_config(attention_bias)
     weights = stored_checkpoint(config, storage)
     model = load_model(config, weights, quantization)
-    assert model.native_decoder is not None
-    gen = torch.Generator().manual_seed(rows)
-    shape = (config.num_key_value_heads, NUM_BLOCKS, BLOCK_SIZE, config.head_dim)
-    before = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in model.layers]
-    lens = [int(n) for n in torch.randint(1, 9 * BLOCK_SIZE, (rows,), generator=gen)]
-    lens[0] = 1  # a first token attends only to itself
-    # Scattered blocks, no two rows sharing one (each writes its new token's slot).
-    tables = torch.randperm(NUM_BLOCKS, generator=gen)[: rows * 9].view(rows, 9)
-    meta = decode_metadata(lens, tables)
-    ids = torch.randint(0, config.vocab_size, (rows,), generator=gen)
-    positions = torch.tensor(lens) - 1
-    caches = [(k.clone(), v.clone()) for k, v in before]
-    plain_caches = [(k.clone(), v.clone()) for k, v in before]
 
-    fast = logits_of(model, model.native_decoder, ids, positions, caches, meta)
-    plain = logits_of(model, None, ids, positions, plain_caches, meta)
+    step = decode_step_both_ways(model, config, rows, torch.float32)
 
+    before, lens, tables, meta, ids = step.before, step.lens, step.tables, step.meta, step.ids
+    fast, caches, plain, plain_caches = step.fast, step.caches, step.plain, step.plain_caches
+    shape = before[0][0].shape
     if quantization != "none":  # the paths sum in other orders, and an activation may round a step apart
         pairs = [(fast, plain)] + [
             pair for (k, v), (pk, pv) in zip(caches, plain_caches) for pair in ((k, pk), (v, pv))
@@ -220,24 +251,12 @@ def test_decode_step_into_a_bf16_cache(rows: int, storage: str) -> None:
     config = tiny_config(False)
     weights = stored_checkpoint(config, storage)
     model = load_model(config, weights)
-    assert model.native_decoder is not None
-    gen = torch.Generator().manual_seed(rows)
-    shape = (config.num_key_value_heads, NUM_BLOCKS, BLOCK_SIZE, config.head_dim)
-    before = [
-        (torch.randn(shape, generator=gen).bfloat16(), torch.randn(shape, generator=gen).bfloat16())
-        for _ in model.layers
-    ]
-    lens = [int(n) for n in torch.randint(1, 9 * BLOCK_SIZE, (rows,), generator=gen)]
-    tables = torch.randperm(NUM_BLOCKS, generator=gen)[: rows * 9].view(rows, 9)
-    meta = decode_metadata(lens, tables)
-    ids = torch.randint(0, config.vocab_size, (rows,), generator=gen)
-    positions = torch.tensor(lens) - 1
-    caches = [(k.clone(), v.clone()) for k, v in before]
-    plain_caches = [(k.clone(), v.clone()) for k, v in before]
 
-    fast = logits_of(model, model.native_decoder, ids, positions, caches, meta)
-    plain = logits_of(model, None, ids, positions, plain_caches, meta)
+    step = decode_step_both_ways(model, config, rows, torch.bfloat16)
 
+    before, lens, tables, meta, ids = step.before, step.lens, step.tables, step.meta, step.ids
+    fast, caches, plain, plain_caches = step.fast, step.caches, step.plain, step.plain_caches
+    shape = before[0][0].shape
     ref = Fp64Llama(config, weights)
     expected = []
     for row, (table, n) in enumerate(zip(tables, lens)):
