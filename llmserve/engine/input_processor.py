@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from typing import Any, TypedDict, Union
+from typing import Any, NotRequired, TypedDict, Union
 
 from transformers import PreTrainedTokenizerBase
 
@@ -16,11 +16,15 @@ from llmserve.structured_output import grammars
 
 
 class TextPrompt(TypedDict):
+    """`cache_salt` (vLLM's): only prompts of the same salt share prefix-cached KV blocks."""
+
     prompt: str
+    cache_salt: NotRequired[str]
 
 
 class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
+    cache_salt: NotRequired[str]
 
 
 PromptType = Union[str, TextPrompt, TokensPrompt]
@@ -60,6 +64,16 @@ def check_runner(limits: ResolvedLimits, runner: ResolvedRunner) -> None:
         "model serves generation here (runner generate): it embeds nothing. Start the engine with runner "
         "pooling (an encoder such as BertModel takes it by itself)."
     )
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    """The prompt dict's `cache_salt`: a non-empty string when given, as vLLM requires."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}.")
+    if salt is not None and not is_unicode(salt):
+        raise ValueError("cache_salt is not valid Unicode: it holds a lone surrogate.")
+    return salt
 
 
 def _check_continuable(conversation: list[ChatMessage], add_generation_prompt: bool) -> None:
@@ -107,6 +121,7 @@ class InputProcessor:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         check_runner(self.limits, "generate")
         self._validate_params(params)
+        cache_salt = _cache_salt(prompt)
         text, token_ids = self._tokenize(prompt, add_special_tokens)
         token_ids = self._truncate(token_ids, params.truncate_prompt_tokens)
         self._validate_tokens(token_ids)
@@ -121,6 +136,7 @@ class InputProcessor:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             bad_words_token_ids=bad_words_token_ids,
             priority=priority,
+            cache_salt=cache_salt,
         )
         return request, text
 

@@ -36,6 +36,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     With `pooling_params` it is a pooling request, for an engine of the pooling runner: the core
     computes its prompt and returns the pooled hidden state (`EngineCoreOutput.pooling_output`) once,
     generating nothing; its `sampling_params` are then never read.
+
+    `cache_salt` (vLLM's, a non-empty string) enters the hash of the request's first KV block, so only
+    requests with the same salt share prefix-cached blocks (one tenant never reads another's).
     """
 
     request_id: str
@@ -47,6 +50,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0
     pooling_params: PoolingParams | None = None
     data_parallel_rank: int | None = None  # the rank that must serve it (vLLM's); None: the least loaded
+    cache_salt: str | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

@@ -7,19 +7,22 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+# A full block's SHA-256 digest, chained over its parent's (see `kv_cache_manager.hash_block`).
+BlockHash = bytes
+
 
 @dataclass
 class KVCacheBlock:
     """One block of `block_size` token slots in every layer's cache.
 
-    `block_hash` is set once the block is full and computed: the hash chained over its parent block's
-    hash and its own token ids. It stays while the block is free, so a later request with the same
+    `block_hash` is set once the block is full and computed: the digest chained over its parent block's
+    digest and its own token ids. It stays while the block is free, so a later request with the same
     prefix can reuse the block, until the block is evicted for new content.
     """
 
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None
+    block_hash: BlockHash | None = None
 
 
 class BlockPool:
@@ -36,7 +39,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self.cached: dict[int, KVCacheBlock] = {}
+        self.cached: dict[BlockHash, KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -61,7 +64,7 @@ class BlockPool:
             out.append(block)
         return out
 
-    def get_cached_blocks(self, block_hashes: Iterable[int]) -> list[KVCacheBlock]:
+    def get_cached_blocks(self, block_hashes: Iterable[BlockHash]) -> list[KVCacheBlock]:
         """The longest run of cached blocks for these chained hashes, from the first."""
         hits = []
         for block_hash in block_hashes:
@@ -78,7 +81,7 @@ class BlockPool:
                 del self._free[block.block_id]
             block.ref_cnt += 1
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Record a full, computed block. If another block already holds the same tokens, this one
         stays uncached (it is freed like any other)."""
         if block.block_hash is None and block_hash not in self.cached:

@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
-from llmserve.scheduling.block_pool import BlockPool, KVCacheBlock
+import hashlib
+from array import array
+
+from llmserve.scheduling.block_pool import BlockHash, BlockPool, KVCacheBlock
 from llmserve.scheduling.request import Request
 
 # The id that stands, in a request's block table, for a block released behind its sliding window: a
 # valid index into the cache, so tables stay in bounds, and never read there (attention starts at the
 # block holding the window's first key). The pool's block of that id is unaffected: others may hold it.
 PLACEHOLDER_BLOCK_ID = 0
+
+# The parent digest of every request's first block: a fixed value, so that equal prefixes share blocks.
+ROOT_BLOCK_HASH = bytes(32)
+
+
+def hash_block(parent: BlockHash, token_ids: list[int], cache_salt: str | None = None) -> BlockHash:
+    """SHA-256 over the parent's digest, the block's token ids (8 bytes each) and, for a first block,
+    the request's `cache_salt` (UTF-8). A full block always packs `block_size` ids, so the salt after
+    them cannot pass for tokens: a salted first block never matches an unsalted one or another salt's.
+    A 64-bit hash would let a crafted prompt collide with another tenant's cached block."""
+    data = parent + array("q", token_ids).tobytes()
+    if cache_salt is not None:
+        data += cache_salt.encode()
+    return hashlib.sha256(data).digest()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -19,9 +36,10 @@ class KVCacheManager:
     """Gives each request enough blocks for the tokens it is about to compute, and takes them back.
 
     Block `i` of a request holds the KV of its tokens `[i * block_size, (i + 1) * block_size)`. With
-    prefix caching, full blocks are registered under a hash chained over the parent block's hash and
-    the block's token ids, and a new request starts from the longest run of cached blocks matching
-    its prefix.
+    prefix caching, full blocks are registered under a SHA-256 digest chained over the parent block's
+    digest and the block's token ids (`hash_block`), and a new request starts from the longest run of
+    cached blocks matching its prefix. A request's `cache_salt` enters its first block's digest, so
+    requests share cached blocks only when they carry the same salt (or none).
 
     With `sliding_window` W (every layer's: a query at position p reads the keys at (p - W, p]), a
     request's blocks wholly before the first new token's window are released as the window moves, as
@@ -47,7 +65,7 @@ class KVCacheManager:
         self._placeholder = KVCacheBlock(PLACEHOLDER_BLOCK_ID)
         self._blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_skipped: dict[str, int] = {}  # leading placeholders in _blocks
-        self._hashes: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}
         self._num_cached: dict[str, int] = {}
         self.num_window_released = 0  # blocks released behind sliding windows, in all
         self.prefix_cache_queries = 0  # prompt tokens looked up
@@ -133,14 +151,15 @@ class KVCacheManager:
             self.block_pool.cache_block(blocks[i], hashes[i])
         self._num_cached[request.request_id] = full
 
-    def _block_hashes(self, request: Request, num_blocks: int) -> list[int]:
-        """Chained hashes of the request's first `num_blocks` full blocks, extended as tokens arrive."""
+    def _block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """Chained digests of the request's first `num_blocks` full blocks, each computed once and
+        kept until the request is freed (extended as tokens arrive)."""
         hashes = self._hashes.setdefault(request.request_id, [])
         tokens = request.all_token_ids
         bs = self.block_size
         for i in range(len(hashes), num_blocks):
-            parent = hashes[i - 1] if i else None
-            hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
+            parent, salt = (hashes[i - 1], None) if i else (ROOT_BLOCK_HASH, request.cache_salt)
+            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], salt))
         return hashes[:num_blocks]
 
     def get_block_ids(self, request_id: str) -> list[int]:

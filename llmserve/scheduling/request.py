@@ -61,8 +61,10 @@ class Request:
         bad_words_token_ids: list[list[int]] | None = None,
         priority: int = 0,
         pooling_params: PoolingParams | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.cache_salt = cache_salt  # enters its first KV block's hash: it shares blocks only with its salt
         self.pooling_params = pooling_params  # a pooling request: its prompt only, then its vector
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
@@ -102,6 +104,7 @@ class Request:
             req.bad_words_token_ids,
             req.priority,
             req.pooling_params,
+            req.cache_salt,
         )
 
     @property

@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from llmserve.entrypoints.openai.protocol import MAX_REQUEST_ID_CHARS
 from tests.entrypoints.conftest import SERVER_ARGS
 from tests.entrypoints.remote_server import RemoteServer
+from tests.entrypoints.test_openai_server import _metric
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 PROMPT = "The capital of France is"
@@ -249,3 +250,38 @@ def test_accepted_only_where_they_change_nothing(
     base: dict[str, Any] = {"prompt": PROMPT} if path == CMPL else {"messages": QUESTION}
     post(http, path, {**base, "max_tokens": 1, field: harmless})
     assert_400(http, path, {**base, "max_tokens": 1, field: refused}, field)
+
+
+def test_cache_salt_keeps_prefix_cache_blocks_to_their_salt(
+    http: httpx.Client, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """vLLM's `cache_salt`: one long prompt (several 16-token blocks, the server's default) under salt
+    a, then b, then none, then a again; only the last finds cached blocks, every whole block but the
+    last token's. Chat takes it too; an empty salt is a 400 naming it."""
+    prompt = "Cache salt test: " + " ".join(f"item{i}" for i in range(60))
+    n = len(tokenizer.encode(prompt))
+    assert n > 4 * 16
+
+    def counters() -> tuple[float, float]:
+        text = http.get("/metrics").text
+        return _metric(text, "prefix_cache_queries_total"), _metric(text, "prefix_cache_hits_total")
+
+    deltas = []
+    for salt in ("tenant-a", "tenant-b", None, "tenant-a"):
+        before = counters()
+        body = {"prompt": prompt, "max_tokens": 1, **({} if salt is None else {"cache_salt": salt})}
+        assert post(http, CMPL, body)["usage"]["prompt_tokens"] == n
+        deltas.append(tuple(a - b for a, b in zip(counters(), before, strict=True)))
+    assert deltas == [(n, 0), (n, 0), (n, 0), (n, (n - 1) // 16 * 16)]
+
+    chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1}
+    post(http, CHAT, {**chat, "cache_salt": "tenant-c"})
+    before = counters()
+    post(http, CHAT, {**chat, "cache_salt": "tenant-d"})
+    assert counters()[1] == before[1]
+    post(http, CHAT, {**chat, "cache_salt": "tenant-c"})
+    assert counters()[1] > before[1]
+
+    for path, base in ((CMPL, {"prompt": PROMPT}), (CHAT, {"messages": QUESTION})):
+        message = assert_400(http, path, {**base, "max_tokens": 1, "cache_salt": ""}, "cache_salt")
+        assert "non-empty" in message

@@ -8,29 +8,34 @@ from tests.scheduling.fake_requests import make_request
 from tests.scheduling.test_scheduler import step
 
 
+def digest(i: int) -> bytes:
+    """A stand-in for a block's 32-byte SHA-256 digest."""
+    return i.to_bytes(32, "big")
+
+
 def test_cached_free_blocks_are_evicted_least_recently_freed_first() -> None:
     pool = BlockPool(3)
     a, b, c = pool.get_new_blocks(3)
     for block, h in ((a, 10), (b, 11), (c, 12)):
-        pool.cache_block(block, h)
+        pool.cache_block(block, digest(h))
     pool.free_blocks([b])
     pool.free_blocks([a])
     pool.free_blocks([c])
-    assert pool.get_cached_blocks([10, 11, 12]) == [a, b, c]  # still reusable while free
+    assert pool.get_cached_blocks(map(digest, [10, 11, 12])) == [a, b, c]  # still reusable while free
     (first,) = pool.get_new_blocks(1)
-    assert first is b and b.block_hash is None and 11 not in pool.cached
-    assert pool.get_cached_blocks([10, 11]) == [a]
+    assert first is b and b.block_hash is None and digest(11) not in pool.cached
+    assert pool.get_cached_blocks(map(digest, [10, 11])) == [a]
 
 
 def test_a_shared_block_is_not_freed_while_referenced() -> None:
     pool = BlockPool(2)
     (block,) = pool.get_new_blocks(1)
-    pool.cache_block(block, 7)
+    pool.cache_block(block, digest(7))
     pool.touch([block])  # a second request reuses it
     pool.free_blocks([block])
     assert pool.num_free_blocks == 1 and block.ref_cnt == 1
     pool.get_new_blocks(1)  # takes the other block, cannot evict the shared one
-    assert pool.cached[7] is block
+    assert pool.cached[digest(7)] is block
     pool.free_blocks([block])
     assert pool.num_free_blocks == 1
 

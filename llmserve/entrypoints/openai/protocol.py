@@ -186,6 +186,7 @@ class SamplingRequest(OpenAIRequest):
     priority: StrictInt = 0  # vLLM's extra: lower is scheduled first (--scheduling-policy priority only)
     response_format: ResponseFormat | None = None  # vLLM reads it on completions too
     structured_outputs: StructuredOutputsRequest | None = None  # vLLM's
+    cache_salt: str | None = None  # vLLM's: only requests of the same salt share prefix-cached KV blocks
     # the rank that must serve the request, from vLLM's X-data-parallel-rank header (data_parallel.py)
     data_parallel_rank: SkipJsonSchema[int | None] = None
     guided_json: SkipJsonSchema[Any] = None  # each guided_* field is refused (see REPLACED_FIELDS)
@@ -196,6 +197,14 @@ class SamplingRequest(OpenAIRequest):
     guided_decoding_backend: SkipJsonSchema[Any] = None
     no_stop_trim: SkipJsonSchema[bool] = False  # see `harmless`
     return_hidden_states: SkipJsonSchema[bool] = False
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _non_empty_salt(cls, value: str | None) -> str | None:
+        """vLLM's rule: an empty salt would read as no salt, sharing the cache it was sent to avoid."""
+        if value is not None and not value:
+            raise ValueError("must be a non-empty string if provided")
+        return value
 
     @property
     def include_usage(self) -> bool:

@@ -57,6 +57,14 @@ class PreparedPrompt:
     text: str | None
     priority: int = 0
     data_parallel_rank: int | None = None
+    cache_salt: str | None = None
+
+    def engine_prompt(self) -> TokensPrompt:
+        """What the engine takes: the tokens, and the salt that keeps their KV blocks to its tenant."""
+        prompt = TokensPrompt(prompt_token_ids=self.token_ids)
+        if self.cache_salt is not None:
+            prompt["cache_salt"] = self.cache_salt
+        return prompt
 
 
 class OpenAIServing:
@@ -240,7 +248,11 @@ class OpenAIServing:
             kept = None if truncating else text
             out.append(
                 PreparedPrompt(
-                    core_request.prompt_token_ids, kept, request.priority, request.data_parallel_rank
+                    core_request.prompt_token_ids,
+                    kept,
+                    request.priority,
+                    request.data_parallel_rank,
+                    request.cache_salt,
                 )
             )
         try:
@@ -258,7 +270,7 @@ class OpenAIServing:
         engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         streams = [
             self.engine.generate(
-                TokensPrompt(prompt_token_ids=p.token_ids),
+                p.engine_prompt(),
                 params,
                 f"{engine_id}-{i}",
                 priority=p.priority,
