@@ -218,7 +218,6 @@ class AsyncLLM:
             self._output_handler = asyncio.create_task(self._run_output_handler())
 
     async def _run_output_handler(self) -> None:
-        ranks = self.engine_core.num_engines
         try:
             while True:
                 outputs = await self.engine_core.get_output_async()
@@ -231,11 +230,7 @@ class AsyncLLM:
                     processed = self.output_processor.process_outputs(chunk)
                     if processed.reqs_to_abort:
                         await self.engine_core.abort_requests_async(processed.reqs_to_abort)
-                    for logger_ in self.stat_loggers:
-                        if ranks > 1:  # with one core, a logger written for one needs no rank
-                            logger_.record(outputs.scheduler_stats, processed.stats, outputs.engine_index)
-                        else:
-                            logger_.record(outputs.scheduler_stats, processed.stats)
+                    self._record_stats(outputs.scheduler_stats, processed.stats, outputs.engine_index)
                     if self.log_requests:
                         for finished in processed.stats.finished_requests:
                             logger.info("Finished a request (%s).", finished.finish_reason)
@@ -253,8 +248,20 @@ class AsyncLLM:
             )
             self._dead_error = error
             logger.error("The engine died: %s", error)
+            # A dead core holds nothing: no gauge may keep showing its last load.
+            for rank in range(self.engine_core.num_engines):
+                self._record_stats(SchedulerStats(), IterationStats(), rank)
             self.output_processor.propagate_error(error)
             self.queue.clear()
+
+    def _record_stats(
+        self, scheduler_stats: SchedulerStats | None, stats: IterationStats, engine_index: int
+    ) -> None:
+        for logger_ in self.stat_loggers:
+            if self.engine_core.num_engines > 1:  # with one core, a logger written for one needs no rank
+                logger_.record(scheduler_stats, stats, engine_index)
+            else:
+                logger_.record(scheduler_stats, stats)
 
     async def _fail_requests(self, outputs: list[EngineCoreOutput]) -> None:
         """Requests the core ended without a result raise in their streams instead of finishing:

@@ -36,6 +36,12 @@ class EngineCoreClient(ABC):
         """Ranks that died while others serve on (rank: why); a single core's death is `EngineDeadError`."""
         return {}
 
+    def unresponsive_ranks(self, timeout: float) -> dict[int, str]:
+        """Live ranks that have sent nothing, not even a heartbeat, for over `timeout` seconds (rank:
+        why): stopped or wedged, since a busy core still sends heartbeats. It may yet recover. Only the
+        asyncio clients, which read the core's socket all the time, track this; the others report none."""
+        return {}
+
     def check_data_parallel_rank(self, rank: int | None) -> None:
         """A request may pin one of the ranks (`data_parallel_rank`); a single core is rank 0."""
         if rank is not None and not 0 <= rank < self.num_engines:

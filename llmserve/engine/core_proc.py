@@ -35,6 +35,7 @@ from llmserve.config import EngineConfig
 from llmserve.engine.core import EngineCore
 from llmserve.engine.heap_reuse import keep_freed_heap
 from llmserve.engine.messages import (
+    HEARTBEAT_INTERVAL_S,
     EngineCoreEventType,
     EngineCoreFailure,
     EngineCoreRequest,
@@ -80,13 +81,17 @@ def front_end_log_level() -> int | None:
 
 
 def start_engine_core(
-    config: EngineConfig, ipc_dir: str, rank: int = 0, cpus: list[int] | None = None
+    config: EngineConfig,
+    ipc_dir: str,
+    rank: int = 0,
+    cpus: list[int] | None = None,
+    heartbeat: bool = False,
 ) -> tuple[subprocess.Popen[bytes], int]:
-    """Start the core process (data-parallel rank `rank`, on `cpus` where given) for the front end whose
-    sockets are in `ipc_dir`. Returns it and its sentinel, a pipe's read end that turns readable (end of
-    file) once the process has exited, as multiprocessing's does; the caller closes it. The arguments go
-    over stdin, not argv (where `ps` would show them); the process inherits this one's environment
-    (LLMSERVE_CPU_ISA, OMP_NUM_THREADS, ...)."""
+    """Start the core process (data-parallel rank `rank`, on `cpus` where given, sending heartbeats if
+    `heartbeat`) for the front end whose sockets are in `ipc_dir`. Returns it and its sentinel, a pipe's
+    read end that turns readable (end of file) once the process has exited, as multiprocessing's does;
+    the caller closes it. The arguments go over stdin, not argv (where `ps` would show them); the process
+    inherits this one's environment (LLMSERVE_CPU_ISA, OMP_NUM_THREADS, ...)."""
     sentinel, exit_fd = os.pipe()  # the core holds the write end until it exits
     args = {
         "ipc_dir": ipc_dir,
@@ -94,6 +99,7 @@ def start_engine_core(
         "log_level": front_end_log_level(),
         "rank": rank,
         "cpus": cpus,
+        "heartbeat": heartbeat,
     }
     try:
         payload = pickle.dumps((exit_fd, config, args))
@@ -137,6 +143,7 @@ def run_engine_core(
     log_level: int | None = None,
     rank: int = 0,
     cpus: list[int] | None = None,
+    heartbeat: bool = False,
 ) -> None:
     """Runs the core: exits 0 after a shutdown request, 1 after a failure. A new process starts with
     logging unconfigured, which would drop the start-up lines (memory, kernels), so it logs at the front
@@ -153,7 +160,7 @@ def run_engine_core(
     # Ctrl-C reaches the whole process group; the front end owns it and shuts this process down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(parent_pid, ipc_dir), daemon=True).start()
-    exit_code = EngineCoreProc(config, *ipc_addresses(ipc_dir)).run()
+    exit_code = EngineCoreProc(config, *ipc_addresses(ipc_dir), heartbeat).run()
     # Skip the interpreter's teardown (over a second with torch loaded): nothing is left to clean up.
     sys.stdout.flush()
     sys.stderr.flush()
@@ -173,11 +180,15 @@ def _exit_with_parent(parent_pid: int, ipc_dir: str) -> None:
 class EngineCoreProc:
     """Runs an `EngineCore` between two queues. The input thread decodes messages into one, the output
     thread encodes outputs from the other, so the busy loop (the main thread) spends its time in
-    `step()` and never waits on a socket.
+    `step()` and never waits on a socket. With `heartbeat`, for a front end that reads all the time (an
+    idle one that does not would only pile them up), the output thread also sends HEARTBEATs.
     """
 
-    def __init__(self, config: EngineConfig, input_address: str, output_address: str) -> None:
+    def __init__(
+        self, config: EngineConfig, input_address: str, output_address: str, heartbeat: bool = False
+    ) -> None:
         self.config = config
+        self.heartbeat_interval = HEARTBEAT_INTERVAL_S if heartbeat else None
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         # Both connected before the model loads, so the front end can send as soon as it sees READY.
         self.input_socket = make_socket(self.ctx, zmq.PULL, input_address, bind=False)
@@ -273,10 +284,24 @@ class EngineCoreProc:
             self.input_socket.close()
 
     def _send_outputs(self) -> None:
+        """Also the heartbeat: this thread waits on a queue, never on a step (which releases the GIL in
+        its kernels), so it keeps sending while the busy loop computes; READY must come first, so the
+        heartbeat starts with it."""
         encoder = msgspec.msgpack.Encoder()
-        while (item := self.output_queue.get()) is not None:
+        heartbeat = (EngineCoreEventType.HEARTBEAT.value, encoder.encode(None))
+        interval: float | None = None  # no heartbeat before READY
+        while True:
+            try:
+                item = self.output_queue.get(timeout=interval)
+            except queue.Empty:
+                self.output_socket.send_multipart(heartbeat)
+                continue
+            if item is None:
+                break
             event, payload = item
             self.output_socket.send_multipart((event.value, encoder.encode(payload)))
+            if event is EngineCoreEventType.READY:
+                interval = self.heartbeat_interval
         self.output_socket.close(linger=LINGER_MS)
 
     def _close(self, exit_code: int) -> int:

@@ -152,6 +152,14 @@ class DPLBAsyncMPClient(EngineCoreClient):
     def dead_ranks(self) -> dict[int, str]:
         return dict(self.balancer.dead)
 
+    def unresponsive_ranks(self, timeout: float) -> dict[int, str]:
+        return {
+            rank: f"Data-parallel rank {rank}: {why}"
+            for rank, client in enumerate(self.ranks)
+            if rank not in self.balancer.dead
+            for why in client.unresponsive_ranks(timeout).values()
+        }
+
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         """A rank found dead on sending (before its reader has reported it) takes no more requests; an
         unpinned request then goes to another."""

@@ -136,14 +136,22 @@ class EngineCoreRequestType(enum.Enum):
     SHUTDOWN = b"\x03"  # nothing (an empty payload)
 
 
+# The longest the core stays silent once READY: its output thread sends a HEARTBEAT after this long
+# without a message. Shorter detects a hung core sooner; each beat wakes an idle front end once.
+HEARTBEAT_INTERVAL_S = 0.5
+
+
 class EngineCoreEventType(enum.Enum):
-    """Core → front end. READY or STARTUP_FAILED comes first and once; ERROR comes last."""
+    """Core → front end. READY or STARTUP_FAILED comes first and once; ERROR comes last. After READY,
+    HEARTBEAT comes whenever nothing else was sent for `HEARTBEAT_INTERVAL_S`, from a thread that a long
+    step does not block: a core that sends nothing at all is stopped or wedged, not busy."""
 
     READY = b"\x00"  # ResolvedLimits
     STARTUP_FAILED = b"\x01"  # EngineCoreFailure; the process then exits
     OUTPUTS = b"\x02"  # EngineCoreOutputs
     UTILITY_RESULT = b"\x03"  # UtilityResult
     ERROR = b"\x04"  # EngineCoreFailure from the busy loop; the process then exits
+    HEARTBEAT = b"\x05"  # nothing (msgpack nil)
 
 
 class UtilityCall(msgspec.Struct, array_like=True):

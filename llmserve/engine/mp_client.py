@@ -15,9 +15,10 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 import weakref
 from collections import deque
-from typing import Protocol, cast
+from typing import ClassVar, Protocol, cast
 
 import msgspec
 import zmq
@@ -42,6 +43,7 @@ EXIT_GRACE_MS = 200  # once the core has exited, how long its last message (the 
 
 _OUTPUTS = EngineCoreEventType.OUTPUTS.value
 _UTILITY_RESULT = EngineCoreEventType.UTILITY_RESULT.value
+_HEARTBEAT = EngineCoreEventType.HEARTBEAT.value
 
 
 class CoreHandle(Protocol):
@@ -68,14 +70,14 @@ class _CoreProcess:
     IPC folder. Kept apart from the client so `weakref.finalize` can release it when the client is dropped
     or the interpreter exits without `shutdown()`."""
 
-    def __init__(self, config: EngineConfig, rank: int, cpus: list[int] | None) -> None:
+    def __init__(self, config: EngineConfig, rank: int, cpus: list[int] | None, heartbeat: bool) -> None:
         self.ipc_dir = tempfile.mkdtemp(prefix="llmserve-")
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         input_address, output_address = ipc_addresses(self.ipc_dir)
         try:  # binding fails e.g. with a TMPDIR so long that the socket path exceeds the OS limit
             self.input_socket = make_socket(self.ctx, zmq.PUSH, input_address, bind=True)
             self.output_socket = make_socket(self.ctx, zmq.PULL, output_address, bind=True)
-            self.proc, self.sentinel = start_engine_core(config, self.ipc_dir, rank, cpus)
+            self.proc, self.sentinel = start_engine_core(config, self.ipc_dir, rank, cpus, heartbeat)
         except BaseException:
             self.ctx.destroy(linger=0)
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
@@ -118,16 +120,19 @@ class _CoreProcess:
 
 class MPClient(EngineCoreClient):
     """Starts the core and owns it. Death is sticky: the first reason found is the one every call reports.
-    `rank` and `cpus` place one data-parallel rank (see dp_client.py)."""
+    `rank` and `cpus` place one data-parallel rank (see dp_client.py). The core sends heartbeats to a
+    client that reads its socket all the time (`HEARTBEAT`)."""
+
+    HEARTBEAT: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig, rank: int = 0, cpus: list[int] | None = None) -> None:
         self._core: CoreHandle
         if config.parallel_config.data_parallel_backend == "ray":
             from llmserve.engine.ray_core import RayCore  # ray is an optional extra
 
-            self._core = RayCore(config, rank)
+            self._core = RayCore(config, rank, self.HEARTBEAT)
         else:
-            self._core = _CoreProcess(config, rank, cpus)
+            self._core = _CoreProcess(config, rank, cpus, self.HEARTBEAT)
         self._finalizer = weakref.finalize(self, self._core.release)
         self._dead_reason: str | None = None
         self._encoder = msgspec.msgpack.Encoder()
@@ -272,8 +277,11 @@ class AsyncMPClient(MPClient):
     """For `AsyncLLM`: coroutines, all on one event loop. The first call binds that loop and registers
     two readers on it: the output socket (outputs go to a queue, utility results to their futures) and
     the process sentinel (the core's exit). Construction blocks while the core loads. Call `shutdown()`
-    from the loop's thread, or once the loop has stopped.
+    from the loop's thread, or once the loop has stopped. Every message, heartbeats included, renews
+    the time the core was last heard from (`unresponsive_ranks`).
     """
+
+    HEARTBEAT = True
 
     def __init__(self, config: EngineConfig, rank: int = 0, cpus: list[int] | None = None) -> None:
         super().__init__(config, rank, cpus)
@@ -282,6 +290,7 @@ class AsyncMPClient(MPClient):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._output_fd: int = self._core.output_socket.FD
         self._outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self._last_heard = time.monotonic()  # READY has just come
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         self._start()
@@ -308,6 +317,20 @@ class AsyncMPClient(MPClient):
         self._utility_futures[call_id] = future
         return msgspec.msgpack.decode(await future, type=SchedulerStats)
 
+    def unresponsive_ranks(self, timeout: float) -> dict[int, str]:
+        """Reads what has arrived first, so the answer never waits on the loop's turn to run the reader.
+        From the loop's thread."""
+        if self.is_dead:
+            return {}
+        self._read_outputs()
+        silent = time.monotonic() - self._last_heard
+        if silent <= timeout:
+            return {}
+        return {
+            0: f"The engine core has sent nothing for {silent:.1f} s (engine heartbeat timeout "
+            f"{timeout:g} s): it is stopped or hung."
+        }
+
     def _start(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
         if self._loop is None:
@@ -327,6 +350,7 @@ class AsyncMPClient(MPClient):
         try:
             while not self.is_dead and cast(int, socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 kind, payload = socket.recv_multipart(zmq.NOBLOCK)
+                self._last_heard = time.monotonic()
                 if kind == _OUTPUTS:
                     self._outputs.put_nowait(self._outputs_decoder.decode(payload))
                 elif kind == _UTILITY_RESULT:
@@ -334,7 +358,7 @@ class AsyncMPClient(MPClient):
                     future = self._utility_futures.pop(result.call_id, None)
                     if future is not None and not future.done():
                         future.set_result(result.result)
-                else:
+                elif kind != _HEARTBEAT:
                     self._mark_dead(self._failure_reason(payload))
         except Exception as e:  # a message we cannot read: fail every waiter rather than strand them
             self._mark_dead(f"Reading the engine core's outputs failed: {e!r}")

@@ -53,10 +53,12 @@ def connect_ray() -> Any:
 class EngineCoreActor:
     """Runs in the actor's process: a core, as `core_proc.run_engine_core` runs one in a local process."""
 
-    def run(self, config: EngineConfig, input_address: str, output_address: str, rank: int) -> int:
+    def run(
+        self, config: EngineConfig, input_address: str, output_address: str, rank: int, heartbeat: bool
+    ) -> int:
         setproctitle.setproctitle(f"{PROCESS_TITLE}_DP{rank}")
         logging.basicConfig(level=logging.INFO, format=f"[DP{rank}] {LOG_FORMAT}")
-        return EngineCoreProc(config, input_address, output_address).run()
+        return EngineCoreProc(config, input_address, output_address, heartbeat).run()
 
 
 def _bind(ctx: zmq.Context[zmq.Socket[bytes]], kind: int, host: str) -> tuple[zmq.Socket[bytes], str]:
@@ -67,7 +69,7 @@ def _bind(ctx: zmq.Context[zmq.Socket[bytes]], kind: int, host: str) -> tuple[zm
 class RayCore:
     """A client's hold on a core that runs as a Ray actor (`mp_client.CoreHandle`)."""
 
-    def __init__(self, config: EngineConfig, rank: int) -> None:
+    def __init__(self, config: EngineConfig, rank: int, heartbeat: bool) -> None:
         self._ray = connect_ray()
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         host = self._ray.util.get_node_ip_address()
@@ -76,7 +78,7 @@ class RayCore:
             self.output_socket, output_address = _bind(self.ctx, zmq.PULL, host)
             actor_class = self._ray.remote(num_cpus=config.model_config.num_threads or 1)(EngineCoreActor)
             self.actor = actor_class.remote()
-            self.run_ref = self.actor.run.remote(config, input_address, output_address, rank)
+            self.run_ref = self.actor.run.remote(config, input_address, output_address, rank, heartbeat)
         except BaseException:
             self.ctx.destroy(linger=0)
             raise

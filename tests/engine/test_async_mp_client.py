@@ -13,6 +13,7 @@ from typing import cast
 import pytest
 
 from llmserve.engine.exceptions import EngineDeadError
+from llmserve.engine.messages import HEARTBEAT_INTERVAL_S
 from llmserve.engine.mp_client import AsyncMPClient, _CoreProcess
 from tests.engine.mp_helpers import greedy_request, tiny_config, wait_until_gone
 
@@ -68,6 +69,29 @@ async def test_abort_frees_kv_blocks_at_once(client: AsyncMPClient) -> None:
 async def test_concurrent_utility_calls_each_get_their_answer(client: AsyncMPClient) -> None:
     results = await asyncio.gather(*(client.get_scheduler_stats_async() for _ in range(5)))
     assert all(r.num_total_blocks == client.limits.num_kv_blocks for r in results)
+
+
+async def test_an_idle_core_is_heard_and_a_stopped_one_is_not_until_it_resumes(
+    client: AsyncMPClient,
+) -> None:
+    timeout = 2 * HEARTBEAT_INTERVAL_S
+    await asyncio.sleep(3 * HEARTBEAT_INTERVAL_S)  # idle: only its heartbeats speak for it
+    assert client.unresponsive_ranks(timeout) == {}
+    os.kill(client.proc.pid, signal.SIGSTOP)
+    try:
+        stopped_at = time.monotonic()
+        while not (silent := client.unresponsive_ranks(timeout)) and time.monotonic() - stopped_at < 5:
+            await asyncio.sleep(0.05)
+        assert list(silent) == [0] and "stopped or hung" in silent[0]
+        assert time.monotonic() - stopped_at > timeout - HEARTBEAT_INTERVAL_S  # not before its time
+    finally:
+        os.kill(client.proc.pid, signal.SIGCONT)
+    resumed_at = time.monotonic()
+    while client.unresponsive_ranks(timeout) and time.monotonic() - resumed_at < 5:
+        await asyncio.sleep(0.05)
+    assert client.unresponsive_ranks(timeout) == {}
+    await client.add_request_async(greedy_request("after-stop", 4))
+    assert len((await gather_tokens(client, {"after-stop"}))["after-stop"]) == 4
 
 
 async def test_sigkill_wakes_every_waiter(tiny_llama_hf_dir: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,13 @@ from llmserve import LLM, AsyncLLM, SamplingParams
 from llmserve.engine.core_proc import PROCESS_TITLE
 from llmserve.engine.dp_client import DPLBAsyncMPClient, DPSyncMPClient, LoadBalancer
 from llmserve.engine.exceptions import EngineDeadError
-from llmserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from llmserve.engine.messages import (
+    HEARTBEAT_INTERVAL_S,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+)
 from llmserve.model_executor.cpu_threads import rank_placement
 from llmserve.sampling_params import SamplingParams as Params
 
@@ -153,6 +160,25 @@ async def test_an_abort_reaches_the_rank_that_owns_the_request(engine: AsyncLLM)
     assert stats.num_requests == 0 and stats.num_free_blocks == stats.num_total_blocks
 
 
+async def test_a_stopped_rank_is_unresponsive_until_it_resumes(engine: AsyncLLM) -> None:
+    client = async_client(engine)
+    timeout = 4 * HEARTBEAT_INTERVAL_S
+    stopped = client.ranks[1].proc.pid
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + timeout + 5
+        while not (silent := client.unresponsive_ranks(timeout)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert list(silent) == [1] and silent[1].startswith("Data-parallel rank 1: ")
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    deadline = time.monotonic() + 5
+    while client.unresponsive_ranks(timeout) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert client.unresponsive_ranks(timeout) == {}
+    assert await final_tokens(engine, PROMPTS[0], "after-stop", data_parallel_rank=1)
+
+
 async def test_a_dead_rank_fails_its_requests_and_the_other_serves_on(
     engine: AsyncLLM, single_outputs: list[list[int]]
 ) -> None:
@@ -166,6 +192,7 @@ async def test_a_dead_rank_fails_its_requests_and_the_other_serves_on(
         async for _ in doomed:
             pass
     assert list(client.dead_ranks) == [1]
+    assert client.unresponsive_ranks(4 * HEARTBEAT_INTERVAL_S) == {}  # dead, which is another matter
     assert not engine.errored
     # the live rank takes every new request; a request pinned to the dead one fails at once
     after = [final_tokens(engine, p, f"after-{i}") for i, p in enumerate(PROMPTS[:3])]

@@ -1,9 +1,12 @@
 """A server started with `--served-model-name`: its engine core process logs its start-up lines; the
-server answers to that name only, as vLLM does; and when the core process dies, /health turns 503 and
-requests get OpenAI's error body at once, never a hang."""
+server answers to that name only, as vLLM does; while the core process is stopped, /health turns 503 and
+turns 200 again once it resumes; and when the core process dies, /health turns 503, requests get
+OpenAI's error body at once, never a hang, and the gauges drop to zero."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import re
 import signal
@@ -17,17 +20,22 @@ import openai
 import pytest
 
 from llmserve.engine.core_proc import PROCESS_TITLE
+from llmserve.entrypoints.openai.server_args import ServerArgs, add_server_args, server_args_from
 from llmserve.model_executor.kernels import native
 from tests.entrypoints.conftest import MODEL, SERVER_ARGS
 from tests.entrypoints.remote_server import RemoteServer, children
 
 NAME = "my-served-name"
 ERROR_FIELDS = {"message", "type", "param", "code"}
+HEARTBEAT_TIMEOUT_S = 2.0
+RUNNING = re.compile(rf'^llmserve:num_requests_running\{{engine="0",model_name="{NAME}"\}} (\S+)$', re.M)
 
 
 @pytest.fixture(scope="module")
 def named_server(default_model_path: object) -> Iterator[RemoteServer]:
-    remote = RemoteServer([*SERVER_ARGS, "--served-model-name", NAME])
+    remote = RemoteServer(
+        [*SERVER_ARGS, "--served-model-name", NAME, "--engine-heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)]
+    )
     yield remote
     remote.stop(timeout=30)  # a server whose engine died still exits on SIGTERM
 
@@ -84,15 +92,85 @@ def test_served_model_name_is_the_only_name(named_server: RemoteServer) -> None:
             client.completions.create(model=MODEL, prompt="x", max_tokens=1)
 
 
+def test_engine_heartbeat_timeout_flag() -> None:
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    assert server_args_from(parser.parse_args([])).engine_heartbeat_timeout == 20.0
+    flag = parser.parse_args(["--engine-heartbeat-timeout", "2.5"])
+    assert server_args_from(flag).engine_heartbeat_timeout == 2.5
+    for bad in (0.0, -1.0, 0.5, float("nan")):
+        with pytest.raises(ValueError, match="engine_heartbeat_timeout must be at least 1 s"):
+            ServerArgs(engine_heartbeat_timeout=bad)
+
+
+def poll_health(http: httpx.Client, status: int, within: float) -> httpx.Response:
+    """/health, asked until it answers `status` or `within` seconds have passed."""
+    deadline = time.monotonic() + within
+    while (health := http.get("/health")).status_code != status and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return health
+
+
+def completion_stream(http: httpx.Client, max_tokens: int) -> Iterator[dict[str, Any]]:
+    """A streamed completion's chunks, as they come."""
+    body = {"model": NAME, "prompt": "Hi", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as answer:
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line.removeprefix("data: "))
+
+
+def test_health_is_503_while_the_engine_core_is_stopped_and_200_once_it_resumes(
+    named_server: RemoteServer,
+) -> None:
+    """A stopped core (an attacker's SIGSTOP, a wedged kernel) neither exits nor answers: its requests
+    wait with no error, so /health must say so within the heartbeat timeout, and take it back once the
+    core resumes, whose waiting request then completes."""
+    core = engine_core_pid(named_server)
+    with httpx.Client(base_url=named_server.url, timeout=30) as http:
+        chunks = completion_stream(http, 64)
+        text = next(chunks)["choices"][0]["text"]
+        assert http.get("/health").status_code == 200  # computing: alive
+        os.kill(core, signal.SIGSTOP)
+        try:
+            stopped_at = time.monotonic()
+            health = poll_health(http, 503, HEARTBEAT_TIMEOUT_S + 3)
+            assert health.status_code == 503, "a stopped core must not look healthy"
+            assert time.monotonic() - stopped_at > HEARTBEAT_TIMEOUT_S / 2  # not before its time
+            error = health.json()["error"]
+            assert set(error) == ERROR_FIELDS and "stopped or hung" in error["message"]
+        finally:
+            os.kill(core, signal.SIGCONT)
+        assert poll_health(http, 200, 5).status_code == 200
+        finish_reason = None
+        for chunk in chunks:
+            text += chunk["choices"][0]["text"]
+            finish_reason = chunk["choices"][0]["finish_reason"] or finish_reason
+        assert finish_reason == "length" and text
+
+
+def running_requests(http: httpx.Client) -> float:
+    match = RUNNING.search(http.get("/metrics").text)
+    assert match, "no running-requests gauge"
+    return float(match.group(1))
+
+
 def test_health_is_503_once_the_engine_core_is_killed(named_server: RemoteServer) -> None:
-    """Runs last: it kills the module's engine core."""
-    os.kill(engine_core_pid(named_server), signal.SIGKILL)
+    """Runs last: it kills the module's engine core, while a request runs, whose gauge must then drop to 0
+    (a dead core holds nothing; a router must not see its last load)."""
     with httpx.Client(base_url=named_server.url, timeout=10) as http:  # a hang fails as a timeout
+        running = completion_stream(http, 512)
+        next(running)
+        assert running_requests(http) == 1
+        os.kill(engine_core_pid(named_server), signal.SIGKILL)
+        assert list(running)  # ended (with an error event), never a hang
         deadline = time.monotonic() + 5
         while (health := http.get("/health")).status_code == 200 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert health.status_code == 503
         assert set(health.json()["error"]) == ERROR_FIELDS
+        assert running_requests(http) == 0
         chat = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
         for path, body in (
             ("/v1/completions", {"model": NAME, "prompt": "Hi", "max_tokens": 4}),

@@ -174,6 +174,11 @@ def build_app(
         dead_ranks = engine.engine_core.dead_ranks
         if dead_ranks:  # the others still serve, but the server is not whole: a router should know
             return engine_dead(EngineDeadError(" ".join(dead_ranks.values()))).response()
+        # A stopped or wedged core: its requests wait with no error, so only /health can tell. 200 again
+        # once it is heard from.
+        silent = engine.engine_core.unresponsive_ranks(args.engine_heartbeat_timeout)
+        if silent:
+            return engine_dead(EngineDeadError(" ".join(silent.values()))).response()
         return Response(status_code=200)
 
     @app.get("/version")
@@ -190,7 +195,8 @@ def build_app(
                 stats = await asyncio.wait_for(
                     core.get_scheduler_stats_async(rank), SCHEDULER_STATS_TIMEOUT_SECONDS
                 )
-                metrics.record(stats, IterationStats(), rank)
+                if not engine.errored and rank not in core.dead_ranks:  # not after its gauges were zeroed
+                    metrics.record(stats, IterationStats(), rank)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

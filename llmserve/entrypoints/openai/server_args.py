@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from llmserve.engine.messages import HEARTBEAT_INTERVAL_S
 from llmserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "LLMSERVE_API_KEY"
@@ -36,6 +37,11 @@ class ServerArgs:
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     disable_playground: bool = False  # no web page at `/`: the API alone
+    tokenize_needs_api_key: bool = False  # /tokenize and /detokenize behind --api-key too
+    # /health turns 503 once an engine core (any data-parallel rank) has sent nothing, not even its
+    # heartbeat, for this long: a stopped core, or one stuck holding the GIL (a busy one still beats).
+    # Long enough that a loaded machine's scheduling delays never trip it, short enough to act on.
+    engine_heartbeat_timeout: float = 20.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -59,6 +65,11 @@ class ServerArgs:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}.")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice requires tool_call_parser (vLLM's rule).")
+        if not self.engine_heartbeat_timeout >= 2 * HEARTBEAT_INTERVAL_S:  # NaN fails too
+            raise ValueError(
+                f"engine_heartbeat_timeout must be at least {2 * HEARTBEAT_INTERVAL_S:g} s (twice the "
+                f"engine core's heartbeat interval), got {self.engine_heartbeat_timeout}."
+            )
 
     @property
     def auto_tool_parser(self) -> str | None:
@@ -139,6 +150,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--disable-playground", action="store_true", help="serve the API alone, without the web page at /"
     )
+    parser.add_argument(
+        "--tokenize-needs-api-key",
+        action="store_true",
+        help="/tokenize and /detokenize need the --api-key too (default: open, as vLLM's)",
+    )
+    parser.add_argument(
+        "--engine-heartbeat-timeout",
+        type=float,
+        default=d.engine_heartbeat_timeout,
+        help="seconds without a word from an engine core (it sends a heartbeat even mid-step) after which "
+        f"/health answers 503, until it is heard again (default: {d.engine_heartbeat_timeout:g})",
+    )
 
 
 def server_args_from(ns: argparse.Namespace) -> ServerArgs:
@@ -159,4 +182,6 @@ def server_args_from(ns: argparse.Namespace) -> ServerArgs:
         tool_call_parser=ns.tool_call_parser,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         disable_playground=ns.disable_playground,
+        tokenize_needs_api_key=ns.tokenize_needs_api_key,
+        engine_heartbeat_timeout=ns.engine_heartbeat_timeout,
     )
