@@ -128,6 +128,33 @@ class ParallelConfig:
             raise ValueError(f"data_parallel_backend must be mp or ray, got {self.data_parallel_backend!r}.")
 
 
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Bounds on a request's JSON schema, regex, choice or grammar (see structured_output/limits.py),
+    checked before the grammar library sees it: past them a request is refused, naming the limit. Depth
+    counts each nested object, array, `$ref` hop, rule reference and parenthesised group; alternatives
+    count the items of one `choice`, `enum`, `anyOf` or `|` alternation. `grammar_timeout` (seconds)
+    bounds a grammar's validation, after which the request fails alone."""
+
+    max_grammar_bytes: int = 1 << 20
+    max_grammar_depth: int = 128
+    max_grammar_rules: int = 2000
+    max_grammar_alternatives: int = 10_000
+    grammar_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_grammar_bytes",
+            "max_grammar_depth",
+            "max_grammar_rules",
+            "max_grammar_alternatives",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if not self.grammar_timeout > 0:
+            raise ValueError(f"grammar_timeout must be positive, got {self.grammar_timeout}.")
+
+
 SpeculativeMethod = Literal["ngram"]
 
 
@@ -217,6 +244,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig | None = None
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     multiprocess: bool = True
 
 
@@ -258,6 +286,11 @@ class EngineArgs:
     data_parallel_backend: DataParallelBackend = "mp"
     # vLLM's: {"method": "ngram", "num_speculative_tokens": K, ...}, or its JSON (see SpeculativeConfig)
     speculative_config: dict[str, Any] | str | None = None
+    max_grammar_bytes: int = 1 << 20
+    max_grammar_depth: int = 128
+    max_grammar_rules: int = 2000
+    max_grammar_alternatives: int = 10_000
+    grammar_timeout: float = 10.0  # seconds
     multiprocess: bool = True  # run the engine core in its own process (False: in this one)
 
     def create_engine_config(self) -> EngineConfig:
@@ -271,6 +304,7 @@ class EngineArgs:
             scheduler_config=SchedulerConfig(**pick(SchedulerConfig)),  # type: ignore[arg-type]
             parallel_config=ParallelConfig(**pick(ParallelConfig)),  # type: ignore[arg-type]
             speculative_config=SpeculativeConfig.parse(self.speculative_config),
+            structured_outputs_config=StructuredOutputsConfig(**pick(StructuredOutputsConfig)),  # type: ignore[arg-type]
             multiprocess=self.multiprocess,
         )
 

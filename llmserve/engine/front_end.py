@@ -37,6 +37,10 @@ class FrontEnd:
             engine_core = make_client(config, asyncio_mode)
             tokenizer = loading.result()
         input_processor = InputProcessor(
-            tokenizer, engine_core.limits, eos_token_ids(source, tokenizer), config.model_config.max_logprobs
+            tokenizer,
+            engine_core.limits,
+            eos_token_ids(source, tokenizer),
+            config.model_config.max_logprobs,
+            config.structured_outputs_config,
         )
         return cls(tokenizer, engine_core, input_processor, OutputProcessor(tokenizer))

@@ -8,7 +8,7 @@ from typing import Any, NotRequired, TypedDict, Union
 
 from transformers import PreTrainedTokenizerBase
 
-from llmserve.config import ResolvedLimits, ResolvedRunner
+from llmserve.config import ResolvedLimits, ResolvedRunner, StructuredOutputsConfig
 from llmserve.engine.messages import EngineCoreRequest
 from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams, is_unicode
@@ -90,6 +90,9 @@ def _check_continuable(conversation: list[ChatMessage], add_generation_prompt: b
         )
 
 
+DEFAULT_GRAMMAR_LIMITS = StructuredOutputsConfig()
+
+
 class InputProcessor:
     def __init__(
         self,
@@ -97,10 +100,12 @@ class InputProcessor:
         limits: ResolvedLimits,
         eos_token_ids: list[int],
         max_logprobs: int = 20,
+        grammar_limits: StructuredOutputsConfig = DEFAULT_GRAMMAR_LIMITS,
     ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
         self.max_logprobs = max_logprobs
+        self.grammar_limits = grammar_limits
         # The first EOS id is the request's EOS; any others (e.g. Llama 3's) act as stop tokens.
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
         self.extra_eos_ids = eos_token_ids[1:]
@@ -307,7 +312,7 @@ class InputProcessor:
             if bad is not None:
                 raise ValueError(f"{name} has token id {bad}, out of vocabulary (size {vocab}).")
         if params.structured_outputs is not None:  # a broken schema must not reach the core
-            grammars.check(params.structured_outputs, self.tokenizer)
+            grammars.check(params.structured_outputs, self.tokenizer, self.grammar_limits)
 
     def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
         """Each word's tokens as it would start the text, and as a word after a space when that

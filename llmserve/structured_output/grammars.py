@@ -1,12 +1,16 @@
 """A request's `StructuredOutputsParams` as one llguidance grammar, and the front end's check of it.
 
-The front ends (`InputProcessor`, the OpenAI server) call `check` so a broken schema, regex or grammar
-is refused before it reaches the engine; the engine core compiles `to_grammar`'s text into a matcher.
+The front ends (`InputProcessor`, the OpenAI server) call `check` (the server `check_async` first) so a
+schema, regex or grammar past the limits, or broken, is refused before it reaches the engine; the engine
+core compiles `to_grammar`'s text into a matcher.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import copy
+import functools
 import json
 import threading
 import weakref
@@ -16,7 +20,10 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
+from llmserve.config import StructuredOutputsConfig
 from llmserve.sampling_params import StructuredOutputsParams
+from llmserve.structured_output.grammar_threads import LargeStackExecutor
+from llmserve.structured_output.limits import check_limits
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -25,6 +32,7 @@ if TYPE_CHECKING:
 _ANY_OBJECT = '{"type": "object"}'
 # An LLTokenizer takes about a second to build from a Hugging Face one: one per front-end tokenizer.
 _LL_TOKENIZERS: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
+_LL_TOKENIZERS_LOCK = threading.Lock()
 # Grammars already validated, per tokenizer, most recent last: validating builds the lexer (up to
 # llguidance's limits), which a request's second and third checks need not repeat.
 _VALID_GRAMMARS: weakref.WeakKeyDictionary[Any, OrderedDict[str, None]] = weakref.WeakKeyDictionary()
@@ -51,7 +59,7 @@ def to_grammar(params: StructuredOutputsParams) -> str:
                     json.loads(schema) if isinstance(schema, str) else schema
                 )
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
-        except ValueError as e:  # json.JSONDecodeError too
+        except (ValueError, RecursionError) as e:  # json.JSONDecodeError too
             raise ValueError(f"structured_outputs.json is not a valid JSON schema: {e}") from None
     if params.regex is not None:
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
@@ -66,36 +74,99 @@ def to_grammar(params: StructuredOutputsParams) -> str:
     return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
-def check(params: StructuredOutputsParams, tokenizer: object) -> None:
-    """Raises `ValueError` naming the field and the problem when `params` cannot compile for this
-    tokenizer (the front end's Hugging Face tokenizer: special tokens a grammar names must exist)."""
+def check(params: StructuredOutputsParams, tokenizer: object, limits: StructuredOutputsConfig) -> None:
+    """Raises `ValueError` naming the field and the problem when `params` is past `limits` or cannot
+    compile for this tokenizer (the front end's Hugging Face tokenizer: special tokens a grammar names
+    must exist). The limits are checked here; llguidance's validation, unless this grammar passed it
+    before, runs on a grammar thread, waited for up to `limits.grammar_timeout`."""
+    grammar = _bounded_grammar(params, limits)
+    if _is_valid(tokenizer, grammar):
+        return
+    future = _grammar_threads().submit(_validate, params.kind, grammar, tokenizer)
+    try:
+        future.result(limits.grammar_timeout)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise _timed_out(params, limits) from None
+
+
+async def check_async(
+    params: StructuredOutputsParams, tokenizer: object, limits: StructuredOutputsConfig
+) -> None:
+    """`check`, all of it on a grammar thread: the caller's thread (the server's event loop, or the one
+    that tokenizes every request) never waits on one request's grammar. A grammar that passes is
+    remembered, so that `check` on the same params afterwards costs only the limits."""
+    future = _grammar_threads().submit(_check_here, params, tokenizer, limits)
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(future), limits.grammar_timeout)
+    except TimeoutError:
+        raise _timed_out(params, limits) from None
+
+
+def prepare(tokenizer: object) -> None:
+    """Builds llguidance's view of `tokenizer` on a grammar thread now, so that the first structured
+    request does not wait for it (or make others wait)."""
+    _grammar_threads().submit(ll_tokenizer, tokenizer)
+
+
+def _check_here(params: StructuredOutputsParams, tokenizer: object, limits: StructuredOutputsConfig) -> None:
+    grammar = _bounded_grammar(params, limits)
+    if not _is_valid(tokenizer, grammar):
+        _validate(params.kind, grammar, tokenizer)
+
+
+def _bounded_grammar(params: StructuredOutputsParams, limits: StructuredOutputsConfig) -> str:
+    """`to_grammar`'s text, once `params` is within `limits` (before any recursive parser sees it)."""
     if params.choice is not None and (
         not params.choice or not all(isinstance(c, str) and c for c in params.choice)
     ):
         raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings.")
-    grammar = to_grammar(params)
-    with _VALID_LOCK:  # the server checks in a worker thread; the engine's front end again, on its loop
+    check_limits(params, limits)
+    return to_grammar(params)
+
+
+def _is_valid(tokenizer: object, grammar: str) -> bool:
+    with _VALID_LOCK:  # the server checks on grammar threads, the engine's front end on its own
         valid = _VALID_GRAMMARS.setdefault(tokenizer, OrderedDict())
         if grammar in valid:
             valid.move_to_end(grammar)
-            return
+            return True
+    return False
+
+
+def _validate(kind: str, grammar: str, tokenizer: object) -> None:
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer(tokenizer))
     if is_error:
-        raise ValueError(f"structured_outputs.{params.kind} is invalid: {messages[0]}")
+        raise ValueError(f"structured_outputs.{kind} is invalid: {messages[0]}")
     with _VALID_LOCK:
+        valid = _VALID_GRAMMARS.setdefault(tokenizer, OrderedDict())
         valid[grammar] = None
         if len(valid) > _MAX_VALID_GRAMMARS:
             valid.popitem(last=False)
 
 
+def _timed_out(params: StructuredOutputsParams, limits: StructuredOutputsConfig) -> ValueError:
+    return ValueError(
+        f"structured_outputs.{params.kind} took longer than {limits.grammar_timeout:g} s to validate "
+        "(--grammar-timeout): simplify it."
+    )
+
+
+@functools.cache
+def _grammar_threads() -> LargeStackExecutor:
+    """Two: one heavy grammar leaves the other for the rest."""
+    return LargeStackExecutor(2, "llmserve-grammar")
+
+
 def ll_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
     """llguidance's view of a Hugging Face fast tokenizer, built once per tokenizer."""
-    ll = _LL_TOKENIZERS.get(tokenizer)
-    if ll is None:
-        import llguidance.hf  # imports transformers, which the engine core (using to_grammar) need not
+    with _LL_TOKENIZERS_LOCK:
+        ll = _LL_TOKENIZERS.get(tokenizer)
+        if ll is None:
+            import llguidance.hf  # imports transformers, which the engine core (using to_grammar) need not
 
-        ll = _LL_TOKENIZERS[tokenizer] = llguidance.hf.from_tokenizer(tokenizer)
-    return ll
+            ll = _LL_TOKENIZERS[tokenizer] = llguidance.hf.from_tokenizer(tokenizer)
+        return ll
 
 
 def _without_additional_properties(schema: Any) -> Any:

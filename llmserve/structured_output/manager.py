@@ -20,6 +20,7 @@ from llmserve.scheduling.request import Request
 from llmserve.scheduling.scheduler import ScheduledRequest
 from llmserve.structured_output.backend import Grammar, StructuredOutputBackend
 from llmserve.structured_output.bitmask import GrammarBitmask
+from llmserve.structured_output.grammar_threads import LargeStackExecutor
 from llmserve.structured_output.grammars import to_grammar
 
 
@@ -33,9 +34,8 @@ class StructuredOutputManager:
         self.backend: StructuredOutputBackend | None = None
         self._backend_lock = threading.Lock()
         self._bitmask: torch.Tensor | None = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(1, (os.cpu_count() or 2) // 2), thread_name_prefix="GrammarCompile"
-        )
+        # large stacks: llguidance compiles recursively (grammar_threads.py)
+        self._pool = LargeStackExecutor(max(1, (os.cpu_count() or 2) // 2), "GrammarCompile")
         self._compiling: set[concurrent.futures.Future[Grammar]] = set()
 
     def grammar_init(self, request: Request) -> None:

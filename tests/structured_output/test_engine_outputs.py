@@ -119,7 +119,7 @@ def test_an_invalid_schema_raises_before_anything_is_submitted(llm: LLM) -> None
 def test_a_grammar_failing_in_the_core_raises_and_the_engine_goes_on(
     llm: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(grammars, "check", lambda params, tokenizer: None)  # let it reach the core
+    monkeypatch.setattr(grammars, "check", lambda params, tokenizer, limits: None)  # let it reach the core
     broken = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-"))
     with pytest.raises(StructuredOutputError, match="unclosed character class"):
         llm.generate(["a", "b"], [SamplingParams(max_tokens=64, ignore_eos=True), broken], use_tqdm=False)
@@ -131,7 +131,7 @@ def test_a_grammar_failing_in_the_core_raises_and_the_engine_goes_on(
 async def test_async_llm_fails_only_the_request_whose_grammar_failed(
     default_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(grammars, "check", lambda params, tokenizer: None)
+    monkeypatch.setattr(grammars, "check", lambda params, tokenizer, limits: None)
     engine = AsyncLLM(kv_cache_memory=64 << 20, max_model_len=1024, log_stats=False)
     schema = SCHEMAS[0]
 
@@ -187,7 +187,7 @@ def test_grammars_failing_together_leave_nothing_behind_and_lose_no_output(
 ) -> None:
     """Stepping `LLMEngine` by hand: each failed request raises once, and is gone; the free request's
     outputs of a step that raised come with the next step."""
-    monkeypatch.setattr(grammars, "check", lambda params, tokenizer: None)
+    monkeypatch.setattr(grammars, "check", lambda params, tokenizer, limits: None)
     engine = llm.llm_engine
     broken = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-"))
     engine.add_request("broken-1", "a", broken)

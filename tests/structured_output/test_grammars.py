@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from typing import Any
 
 import pytest
 
+from llmserve.config import StructuredOutputsConfig
 from llmserve.sampling_params import StructuredOutputsParams
-from llmserve.structured_output.grammars import check, to_grammar
+from llmserve.structured_output.grammars import check, check_async, to_grammar
 from llmserve.structured_output.llguidance_backend import LLGuidanceBackend
 
+LIMITS = StructuredOutputsConfig()
 PERSON = {
     "type": "object",
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -73,10 +77,34 @@ def test_check_names_the_field_and_the_problem(
     tokenizer: Any, params: StructuredOutputsParams, field: str, problem: str
 ) -> None:
     with pytest.raises(ValueError, match=f"structured_outputs.{field}") as e:
-        check(params, tokenizer)
+        check(params, tokenizer, LIMITS)
     assert problem in str(e.value)
 
 
 def test_check_passes_valid_params_and_special_tokens_the_tokenizer_has(tokenizer: Any) -> None:
-    check(StructuredOutputsParams(json=PERSON), tokenizer)
-    check(StructuredOutputsParams(grammar='start: "done" <|im_end|>'), tokenizer)
+    check(StructuredOutputsParams(json=PERSON), tokenizer, LIMITS)
+    check(StructuredOutputsParams(grammar='start: "done" <|im_end|>'), tokenizer, LIMITS)
+
+
+def test_a_validation_past_the_timeout_fails_alone_and_a_later_one_passes(tokenizer: Any) -> None:
+    """Validation runs on a grammar thread; the caller gives up after grammar_timeout with a ValueError
+    naming the field and the flag. The heavy one (a wide choice, validated for about as long as its width)
+    finishes in the background without holding the next check up for good."""
+    heavy = StructuredOutputsParams(choice=[f"timeout-{i}-{uuid.uuid4().hex}" for i in range(20_000)])
+    limits = StructuredOutputsConfig(max_grammar_alternatives=20_000, grammar_timeout=0.05)
+    with pytest.raises(
+        ValueError, match=r"structured_outputs.choice took longer than 0.05 s.*--grammar-timeout"
+    ):
+        check(heavy, tokenizer, limits)
+    with pytest.raises(ValueError, match="took longer"):
+        asyncio.run(check_async(heavy, tokenizer, limits))
+    check(StructuredOutputsParams(regex="[0-9]+"), tokenizer, LIMITS)
+
+
+def test_check_async_refuses_past_the_limits_and_passes_the_rest(tokenizer: Any) -> None:
+    deep = StructuredOutputsParams(regex="(" * 500 + "a" + ")" * 500)
+    with pytest.raises(ValueError, match="--max-grammar-depth"):
+        asyncio.run(check_async(deep, tokenizer, LIMITS))
+    with pytest.raises(ValueError, match="unclosed character class"):
+        asyncio.run(check_async(StructuredOutputsParams(regex="[a-"), tokenizer, LIMITS))
+    asyncio.run(check_async(StructuredOutputsParams(json=PERSON), tokenizer, LIMITS))

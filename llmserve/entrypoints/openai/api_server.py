@@ -63,6 +63,7 @@ from llmserve.entrypoints.openai.streaming import EventStreamResponse
 from llmserve.metrics.prometheus import PrometheusStatLogger
 from llmserve.metrics.stats import IterationStats
 from llmserve.model_executor.cpu_threads import configure_front_end_threads
+from llmserve.structured_output import grammars
 
 logger = logging.getLogger("llmserve")
 
@@ -95,14 +96,15 @@ def bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
 
 
 class ApiKeyMiddleware:
-    """`/v1/*` needs `Authorization: Bearer <key>`; the rest (health, metrics, tokenize, the
-    playground's page, whose API calls carry the key) stays open.
+    """`/v1/*` (and `also_guarded` paths) need `Authorization: Bearer <key>`; the rest (health,
+    metrics, tokenize unless guarded, the playground's page, whose API calls carry the key) stays open.
     Header values are bytes: a non-ASCII key matches as UTF-8 (curl, most clients) or Latin-1 (the
     HTTP default). Plain ASGI, not Starlette's `BaseHTTPMiddleware`, which would hide client
     disconnects."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, also_guarded: tuple[str, ...] = ()) -> None:
         self.app = app
+        self.also_guarded = also_guarded
         self.expected = {api_key.encode("utf-8")}
         with contextlib.suppress(UnicodeEncodeError):
             self.expected.add(api_key.encode("latin-1"))
@@ -114,7 +116,9 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         guarded = (
-            scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS"
+            scope["type"] == "http"
+            and (scope["path"].startswith("/v1/") or scope["path"] in self.also_guarded)
+            and scope["method"] != "OPTIONS"
         )
         if guarded and not self._accepts(bearer_token(scope["headers"])):
             error = OpenAIError(
@@ -160,11 +164,14 @@ def build_app(
 
     app = FastAPI(title="llmserve", version=__version__, responses=ERROR_RESPONSES)
     install_error_handlers(app)
+    if engine.limits.runner == "generate":
+        grammars.prepare(engine.tokenizer)  # the first structured request need not wait for it
     app.add_middleware(
         RequestBodyLimitMiddleware, max_bytes=args.max_request_body_bytes, timeout=args.request_body_timeout
     )
     if args.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+        also = ("/tokenize", "/detokenize") if args.tokenize_needs_api_key else ()
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, also_guarded=also)
     app.add_middleware(RequestIdEchoMiddleware)  # outermost: errors of the others carry it too
 
     @app.get("/health", response_class=Response, responses={200: {"description": "Alive (no body)."}})
@@ -212,6 +219,7 @@ def build_app(
         request: CompletionRequest, raw_request: Request
     ) -> CompletionResponse | EventStreamResponse:
         request = with_header_rank(with_header_id(request, raw_request.headers), raw_request.headers)
+        await completions.check_constraint(request)
         if request.stream:
             return EventStreamResponse(
                 await completions.run_blocking(partial(completions.create_stream, request))
@@ -225,6 +233,7 @@ def build_app(
         request: ChatCompletionRequest, raw_request: Request
     ) -> ChatCompletionResponse | EventStreamResponse:
         request = with_header_rank(with_header_id(request, raw_request.headers), raw_request.headers)
+        await chat.check_constraint(request)
         if request.stream:
             return EventStreamResponse(await chat.run_blocking(partial(chat.create_stream, request)))
         return await cancel_on_disconnect(raw_request, chat.create(request))

@@ -13,7 +13,7 @@ from typing import Any
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.entrypoints.openai.errors import OpenAIError, bad_request
 from llmserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs
-from llmserve.entrypoints.openai.protocol import ChatCompletionRequest, check_context_length
+from llmserve.entrypoints.openai.protocol import ChatCompletionRequest, SamplingRequest, check_context_length
 from llmserve.entrypoints.openai.responses import (
     AssistantMessage,
     ChatChoice,
@@ -82,6 +82,18 @@ class OpenAIServingChat(OpenAIServing):
             given = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
             raise OpenAIError(str(e), param=given) from e
         return request_id, model, params, prepared, tools
+
+    async def check_constraint(self, request: SamplingRequest) -> None:
+        """Also the forced tool choices' schema (see `_constrained`)."""
+        try:
+            assert isinstance(request, ChatCompletionRequest)
+            schema = tool_use(request, self.auto_tool_parser).schema
+        except (OpenAIError, ValueError):
+            return  # refused again, with its message, as the request is prepared
+        if schema is None:
+            await super().check_constraint(request)
+        else:
+            await self.check_structured_outputs_async(StructuredOutputsParams(json=schema), "tools")
 
     def _constrained(self, params: SamplingParams, tools: ToolUse) -> SamplingParams:
         """The forced tool choices' schema as the request's structured output."""

@@ -162,20 +162,38 @@ class OpenAIServing:
         return params
 
     def check_structured_outputs(self, params: StructuredOutputsParams, field: str | None = None) -> None:
-        """A schema, regex or grammar that cannot compile for this tokenizer is a 400 here, naming the
-        request's `field` (default: `structured_outputs.<kind>`) and the problem, before the engine
-        sees it: there it would fail only once the request is running."""
-        own = f"structured_outputs.{params.kind}"
-        checks = [(params, own, field or own)]
-        if params.whitespace_pattern:  # first, so that its errors name it
-            pattern = StructuredOutputsParams(regex=params.whitespace_pattern)
-            where = "structured_outputs.whitespace_pattern"
-            checks.insert(0, (pattern, "structured_outputs.regex", where))
-        for checked, named, given in checks:
+        """A schema, regex or grammar past the limits or that cannot compile for this tokenizer is a 400
+        here, naming the request's `field` (default: `structured_outputs.<kind>`) and the problem, before
+        the engine sees it: there it would fail only once the request is running. Cheap once
+        `check_structured_outputs_async` passed the same params."""
+        limits = self.engine.config.structured_outputs_config
+        for checked, named, given in _constraint_checks(params, field):
             try:
-                grammars.check(checked, self.engine.tokenizer)
+                grammars.check(checked, self.engine.tokenizer, limits)
             except ValueError as e:
                 raise OpenAIError(str(e).replace(named, given, 1), param=given) from e
+
+    async def check_structured_outputs_async(
+        self, params: StructuredOutputsParams | None, field: str | None = None
+    ) -> None:
+        """`check_structured_outputs` on a grammar thread, under the grammar timeout: called before the
+        request is prepared, so that one heavy grammar never holds the thread every request's
+        preparation shares."""
+        limits = self.engine.config.structured_outputs_config
+        for checked, named, given in _constraint_checks(params, field) if params is not None else ():
+            try:
+                await grammars.check_async(checked, self.engine.tokenizer, limits)
+            except ValueError as e:
+                raise OpenAIError(str(e).replace(named, given, 1), param=given) from e
+
+    async def check_constraint(self, request: SamplingRequest) -> None:
+        """The request's constraint, checked (`check_structured_outputs_async`) before the request is
+        prepared. Fields that conflict are left for the preparation to refuse."""
+        try:
+            params = request.structured_outputs_params()
+        except ValueError:
+            return
+        await self.check_structured_outputs_async(params, _constraint_field(request))
 
     def render_chat(
         self,
@@ -287,6 +305,19 @@ def _constraint_field(request: SamplingRequest) -> str | None:
     if fmt is None or fmt.type == "text":
         return None
     return "response_format.json_schema.schema" if fmt.type == "json_schema" else "response_format"
+
+
+def _constraint_checks(
+    params: StructuredOutputsParams, field: str | None
+) -> list[tuple[StructuredOutputsParams, str, str]]:
+    """(params to check, the field their errors name, the field the request used) for the constraint
+    and its whitespace pattern, the pattern first so that its errors name it."""
+    own = f"structured_outputs.{params.kind}"
+    checks = [(params, own, field or own)]
+    if params.whitespace_pattern:
+        pattern = StructuredOutputsParams(regex=params.whitespace_pattern)
+        checks.insert(0, (pattern, "structured_outputs.regex", "structured_outputs.whitespace_pattern"))
+    return checks
 
 
 async def _as_openai_errors(stream: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
