@@ -22,7 +22,7 @@ KEY = "sk-test-key"
 
 @pytest.fixture(scope="module")
 def keyed_server(default_model_path: object) -> Iterator[RemoteServer]:
-    remote = RemoteServer([*SERVER_ARGS, "--api-key", KEY])
+    remote = RemoteServer([*SERVER_ARGS, "--api-key", KEY, "--tokenize-needs-api-key"])
     yield remote
     remote.stop()
 
@@ -38,7 +38,14 @@ def test_api_key_guards_v1_only(keyed_server: RemoteServer) -> None:
         assert http.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
         assert http.get("/health").status_code == 200
         assert http.get("/metrics").status_code == 200
-        assert http.post("/tokenize", json={"prompt": "x"}).status_code == 200
+        # open by default (the limited server's tests use it without a key), guarded with the flag
+        guarded: list[tuple[str, dict[str, object]]] = [
+            ("/tokenize", {"prompt": "x"}),
+            ("/detokenize", {"tokens": [1]}),
+        ]
+        for path, body in guarded:
+            assert http.post(path, json=body).status_code == 401
+            assert http.post(path, json=body, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
 
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key="wrong", max_retries=0).models.list()

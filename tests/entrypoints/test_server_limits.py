@@ -131,12 +131,15 @@ def test_head_that_never_completes_is_closed(limited_server: RemoteServer, parti
     assert HEADER_TIMEOUT_S - 0.5 < time.monotonic() - start < HEADER_TIMEOUT_S + 5
 
 
-def test_allowed_body_is_served(limited_server: RemoteServer) -> None:
+def test_allowed_body_is_read(limited_server: RemoteServer) -> None:
+    """A 2 MB body, under the limit, is read and answered by the route: this prompt cannot fit
+    max_model_len, so /tokenize refuses it by its length, as generation would, without tokenizing."""
     with httpx.Client(base_url=limited_server.url, timeout=60) as http:
-        prompt = "word " * 400_000  # 2 MB, under the limit
+        prompt = "word " * 400_000
         response = http.post("/tokenize", json={"prompt": prompt})
-        assert response.status_code == 200
-        assert response.json()["count"] >= 400_000
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "prompt"
+        assert http.post("/detokenize", json={"tokens": [1] * 1025}).json()["error"]["param"] == "tokens"
 
 
 def test_idle_keep_alive_outlives_the_head_timeout(limited_server: RemoteServer) -> None:
@@ -150,13 +153,17 @@ def test_idle_keep_alive_outlives_the_head_timeout(limited_server: RemoteServer)
 
 
 def test_health_answers_while_a_long_prompt_is_tokenized(limited_server: RemoteServer) -> None:
+    """A prompt truncated to its last tokens is tokenized whole first (its length alone refuses nothing)."""
     prompt = ("The quick brown fox jumps over the lazy dog. " * 100_000)[: 4 << 20]  # ~1M tokens, seconds
     result: dict[str, float | int] = {}
 
     def tokenize() -> None:
         start = time.monotonic()
-        with httpx.Client(base_url=limited_server.url, timeout=120) as http:
-            result["status"] = http.post("/tokenize", json={"prompt": prompt}).status_code
+        body = {"prompt": prompt, "max_tokens": 1, "truncate_prompt_tokens": 8}
+        with httpx.Client(
+            base_url=limited_server.url, timeout=120, headers={"Authorization": f"Bearer {KEY}"}
+        ) as http:
+            result["status"] = http.post("/v1/completions", json=body).status_code
         result["seconds"] = time.monotonic() - start
 
     worker = threading.Thread(target=tokenize)
@@ -239,18 +246,20 @@ def test_completion_with_lower_case_scheme(limited_server: RemoteServer) -> None
         assert response.json()["choices"]
 
 
-def test_internal_error_hides_the_exception(caplog: pytest.LogCaptureFixture) -> None:
-    """A handler's unexpected exception: the client gets a request id, the log gets the traceback."""
+@pytest.mark.parametrize("kind", [RuntimeError, RecursionError, MemoryError])
+def test_internal_error_hides_the_exception(caplog: pytest.LogCaptureFixture, kind: type[Exception]) -> None:
+    """A handler's unexpected exception: the client gets a request id, the log gets the traceback once
+    (not re-raised for the server to log again)."""
     app = FastAPI()
     install_error_handlers(app)
 
     @app.get("/boom")
     async def boom() -> None:
-        raise RuntimeError("secret path /home/alice/key.txt")
+        raise kind("secret path /home/alice/key.txt")
 
     with (
-        caplog.at_level(logging.ERROR, logger="llmserve"),
-        TestClient(app, raise_server_exceptions=False) as c,
+        caplog.at_level(logging.ERROR),
+        TestClient(app, raise_server_exceptions=True) as c,
     ):
         response = c.get("/boom")
     assert response.status_code == 500
@@ -263,6 +272,7 @@ def test_internal_error_hides_the_exception(caplog: pytest.LogCaptureFixture) ->
     logged = [r for r in caplog.records if match.group(1) in r.getMessage()]
     assert logged and logged[0].exc_info is not None
     assert "secret path" in str(logged[0].exc_info[1])
+    assert [r for r in caplog.records if r.exc_info] == logged[:1]
 
     event = error_event(RuntimeError("secret in a stream"))
     assert "secret" not in event and "request id req-" in event

@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmserve.engine.exceptions import EngineDeadError
 
@@ -153,9 +154,32 @@ async def _on_client_gone(_: Request, __: Exception) -> Response:
     return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
-async def _on_unexpected(request: Request, error: Exception) -> Response:
-    # Starlette re-raises the error after this response, so uvicorn logs it once more (without the id).
-    return internal_error(error, f"{request.method} {request.url.path}").response()
+class UnexpectedErrorMiddleware:
+    """Whatever a route raises that no handler maps (a `RecursionError`, a `MemoryError`, a bug) is a
+    500 naming a request id, logged once with its traceback under that id. Starlette's catch-all would
+    answer the same, then re-raise for the server to log the traceback again, without the id. An error
+    after the response started (a stream) is logged, and the connection ends."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as e:  # noqa: BLE001 (each one is answered and logged)
+            error = internal_error(e, f"{scope['method']} {scope['path']}")
+            if not started:
+                await error.response()(scope, receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -164,4 +188,4 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(HTTPException, _on_http_error)
     app.add_exception_handler(EngineDeadError, _on_engine_dead)
     app.add_exception_handler(ClientGone, _on_client_gone)
-    app.add_exception_handler(Exception, _on_unexpected)
+    app.add_middleware(UnexpectedErrorMiddleware)  # the first added: innermost of the middleware

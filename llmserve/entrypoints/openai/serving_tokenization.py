@@ -1,4 +1,7 @@
-"""`POST /tokenize` and `POST /detokenize`, with the tokenizer and chat template the engine uses."""
+"""`POST /tokenize` and `POST /detokenize`, with the tokenizer and chat template the engine uses, under
+the size limits of generation: a text no prompt of max_model_len tokens can spell is refused before it
+is tokenized, and no more than max_model_len tokens are decoded, so one call's work is bounded like a
+completion's preparation."""
 
 from __future__ import annotations
 
@@ -18,9 +21,9 @@ class OpenAIServingTokenization(OpenAIServing):
                 continue_final_message=request.continue_final_message,
                 chat_template_kwargs=request.chat_template_kwargs,
                 add_special_tokens=bool(request.add_special_tokens),
-                check_chars=False,
             )["prompt_token_ids"]
         elif request.prompt is not None and request.messages is None:
+            self.check_prompt_chars(len(request.prompt), "prompt")
             add_special_tokens = request.add_special_tokens is not False
             tokens = self.engine.tokenizer.encode(request.prompt, add_special_tokens=add_special_tokens)
         else:
@@ -31,6 +34,12 @@ class OpenAIServingTokenization(OpenAIServing):
 
     def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.models.resolve(request.model)
+        max_len = self.engine.limits.max_model_len
+        if len(request.tokens) > max_len:
+            raise OpenAIError(
+                f"{len(request.tokens)} tokens are more than max_model_len ({max_len}): decode fewer.",
+                param="tokens",
+            )
         vocab_size = self.engine.limits.vocab_size
         bad = next((t for t in request.tokens if not 0 <= t < vocab_size), None)
         if bad is not None:
