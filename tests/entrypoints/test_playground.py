@@ -291,3 +291,12 @@ def test_model_output_is_shown_as_text(browser: Browser, server: RemoteServer) -
         "<h1>T <code>&lt;i&gt;</code> <em>e</em></h1><ul><li>a</li><li>b</li></ul>"
     )
     context.close()
+
+
+@pytest.mark.parametrize("path", ["/", "/playground/app.js", "/playground/style.css"])
+def test_every_playground_file_carries_the_security_headers(server: RemoteServer, path: str) -> None:
+    response = httpx.get(server.url + path)
+    assert response.status_code == 200, path
+    assert "default-src 'none'" in response.headers["content-security-policy"]
+    assert response.headers["x-content-type-options"] == "nosniff"
+    assert response.headers["referrer-policy"] == "no-referrer"

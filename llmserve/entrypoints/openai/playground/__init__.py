@@ -5,9 +5,10 @@ calls carry the key the user enters."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response
 from starlette.staticfiles import StaticFiles
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -17,6 +18,20 @@ CONTENT_SECURITY_POLICY = (
     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; base-uri 'none'; "
     "frame-ancestors 'none'"
 )
+# Every playground file: its policy, no content-type sniffing (a text file never runs as a script), and
+# no Referer to other sites.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+class _PlaygroundFiles(StaticFiles):
+    def file_response(self, *args: Any, **kwargs: Any) -> Response:
+        response = super().file_response(*args, **kwargs)
+        response.headers.update(SECURITY_HEADERS)
+        return response
 
 
 def mount_playground(app: FastAPI) -> None:
@@ -24,8 +39,6 @@ def mount_playground(app: FastAPI) -> None:
 
     @app.get("/", include_in_schema=False)
     async def playground() -> FileResponse:
-        return FileResponse(
-            STATIC_DIR / "index.html", headers={"Content-Security-Policy": CONTENT_SECURITY_POLICY}
-        )
+        return FileResponse(STATIC_DIR / "index.html", headers=SECURITY_HEADERS)
 
-    app.mount("/playground", StaticFiles(directory=STATIC_DIR), name="playground")
+    app.mount("/playground", _PlaygroundFiles(directory=STATIC_DIR), name="playground")
