@@ -57,6 +57,7 @@ from benchmarks.peers import (
 from benchmarks.results import add_json_arg, write_results
 from benchmarks.soak import settled_rss
 from llmserve import LLM, RequestOutput, RequestOutputKind, SamplingParams
+from llmserve.config import EngineArgs
 from llmserve.engine.input_processor import TokensPrompt
 from llmserve.model_executor.loader import load_model_config, resolve_model
 
@@ -110,6 +111,7 @@ def run_llmserve(args: argparse.Namespace, works: list[Workload]) -> list[Timing
         dtype=args.dtype,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        block_size=args.block_size,
         max_num_seqs=max(len(w.prompts) for w in works),
     )
     llm.generate(
@@ -294,6 +296,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="none", help="ours (the peers run as they do)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="ours (the peers run as they do)")
+    parser.add_argument("--block-size", type=int, default=EngineArgs.block_size, help="ours: tokens per KV block")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=[*PEERS, "none"])
     parser.add_argument("--hf-batch-size", type=int, default=64)
