@@ -2,11 +2,14 @@
 
 Temperature, min-p and top-k/top-p follow in the sampler. Each feature's tensors exist only when some
 row of the batch uses it, so a batch that uses none pays nothing: `build_logits_metadata` returns None.
+What a request fixes for its whole life (its logit_bias, allowed_token_ids, min_tokens stops and one-token
+bad words) is compiled into tensors on its first step, so a step's cost does not grow with their size.
 """
 
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +43,22 @@ class LogitsMetadata:
     bias_index: torch.Tensor | None  # [2, c] int64 (row, token) that logit_bias moves
     bias_values: torch.Tensor | None  # [c] fp32, already clamped to [-100, 100]
     penalties: Penalties | None
+
+
+@dataclass(frozen=True)
+class CompiledProcessing:
+    """One request's step-invariant processing, as tensors on the runner's device."""
+
+    bias: tuple[torch.Tensor, torch.Tensor] | None  # [c] int64 tokens, [c] fp32 values (clamped)
+    allowed: torch.Tensor | None  # [a] int64: allowed_token_ids
+    min_tokens_banned: torch.Tensor | None  # [s] int64: stop tokens and EOS, banned while min_tokens is unmet
+    banned: torch.Tensor | None  # [w] int64: one-token bad words, always banned
+    prefixed_bad_words: list[list[int]]  # bad words of several tokens: banned after their prefix
+
+
+# Per-request compiled processing, owned by the model runner. Weak keys: an entry goes with its request
+# when the scheduler drops a finished or aborted one, so nothing outlives it.
+CompiledCache = weakref.WeakKeyDictionary[Request, CompiledProcessing]
 
 
 def apply_logits_processors(logits: torch.Tensor, meta: LogitsMetadata) -> torch.Tensor:
@@ -96,50 +115,97 @@ def _uses_penalties(params: SamplingParams) -> bool:
 
 
 def build_logits_metadata(
-    requests: list[Request], vocab_size: int, device: torch.device
+    requests: list[Request], vocab_size: int, device: torch.device, cache: CompiledCache | None = None
 ) -> LogitsMetadata | None:
-    """The step's processing for `requests` (one per sampling row), or None when none uses any."""
+    """The step's processing for `requests` (one per sampling row), or None when none uses any.
+
+    `cache` keeps each request's compiled tensors between steps (for one device); without it they are
+    compiled for this call only."""
     if not any(_needs_processing(r) for r in requests):
         return None
-    allowed_rows = [row for row, r in enumerate(requests) if r.sampling_params.allowed_token_ids is not None]
+    if cache is None:
+        cache = weakref.WeakKeyDictionary()
+    compiled = [_compiled(r, device, cache) for r in requests]
+    allowed = [(row, c.allowed) for row, c in enumerate(compiled) if c.allowed is not None]
     allowed_mask = None
-    if allowed_rows:
-        allowed_mask = torch.zeros(len(allowed_rows), vocab_size, dtype=torch.bool)
-        for i, row in enumerate(allowed_rows):
-            allowed_mask[i, requests[row].sampling_params.allowed_token_ids] = True
-    banned = [(row, token) for row, r in enumerate(requests) for token in _banned_tokens(r)]
-    bias = [
-        (row, token, value)
-        for row, r in enumerate(requests)
-        for token, value in (r.sampling_params.logit_bias or {}).items()
-    ]
+    if allowed:
+        allowed_mask = torch.zeros(len(allowed), vocab_size, dtype=torch.bool, device=device)
+        index = _row_pairs([(i, tokens) for i, (_, tokens) in enumerate(allowed)], device)
+        allowed_mask[index[0], index[1]] = True
+    bias = [(row, c.bias) for row, c in enumerate(compiled) if c.bias is not None]
     return LogitsMetadata(
-        allowed_rows=_long(allowed_rows, device) if allowed_rows else None,
-        allowed_mask=None if allowed_mask is None else allowed_mask.to(device),
-        banned=_pairs([(row, t) for row, t in banned], device),
-        bias_index=_pairs([(row, t) for row, t, _ in bias], device),
-        bias_values=torch.tensor([v for *_, v in bias], dtype=torch.float32, device=device) if bias else None,
+        allowed_rows=_long([row for row, _ in allowed], device) if allowed else None,
+        allowed_mask=allowed_mask,
+        banned=_banned(requests, compiled, device),
+        bias_index=_row_pairs([(row, tokens) for row, (tokens, _) in bias], device) if bias else None,
+        bias_values=torch.cat([values for _, (_, values) in bias]) if bias else None,
         penalties=_penalties(requests, device),
     )
 
 
-def _banned_tokens(request: Request) -> list[int]:
-    """EOS and stop tokens until min_tokens is reached; the bad words whose prefix was just generated
-    (vLLM compares against the output only)."""
+def _compiled(request: Request, device: torch.device, cache: CompiledCache) -> CompiledProcessing:
+    """The request's compiled processing, built on its first step: the only pass over its maps."""
+    compiled = cache.get(request)
+    if compiled is None:
+        compiled = cache[request] = _compile(request, device)
+    return compiled
+
+
+def _compile(request: Request, device: torch.device) -> CompiledProcessing:
+    """Everything of the request's processing that its generated tokens cannot change."""
     params = request.sampling_params
-    banned: list[int] = []
-    num_output = request.num_output_tokens
-    if num_output < params.min_tokens:
-        banned.extend(params.stop_token_ids or ())
-        if request.eos_token_id is not None and not params.ignore_eos:
-            banned.append(request.eos_token_id)
-    for word in request.bad_words_token_ids or ():
-        prefix_len = len(word) - 1
-        if prefix_len > num_output:
-            continue
-        if prefix_len == 0 or request.all_token_ids[-prefix_len:] == word[:-1]:
-            banned.append(word[-1])
-    return banned
+    stops = list(params.stop_token_ids or ())
+    if request.eos_token_id is not None and not params.ignore_eos:
+        stops.append(request.eos_token_id)
+    words = request.bad_words_token_ids or []
+    one_token = [word[0] for word in words if len(word) == 1]
+    bias = params.logit_bias
+    return CompiledProcessing(
+        bias=(
+            (_long(list(bias), device), torch.tensor(list(bias.values()), dtype=torch.float32, device=device))
+            if bias
+            else None
+        ),
+        allowed=None if params.allowed_token_ids is None else _long(params.allowed_token_ids, device),
+        min_tokens_banned=_long(stops, device) if params.min_tokens and stops else None,
+        banned=_long(one_token, device) if one_token else None,
+        prefixed_bad_words=[word for word in words if len(word) > 1],
+    )
+
+
+def _banned(
+    requests: list[Request], compiled: list[CompiledProcessing], device: torch.device
+) -> torch.Tensor | None:
+    """[2, b] (row, token) to set to -inf: EOS and stop tokens until min_tokens is reached, one-token bad
+    words, and the bad words whose prefix was just generated (vLLM compares against the output only)."""
+    fixed: list[tuple[int, torch.Tensor]] = []
+    prefixed: list[tuple[int, int]] = []
+    for row, (request, c) in enumerate(zip(requests, compiled)):
+        num_output = request.num_output_tokens
+        if c.min_tokens_banned is not None and num_output < request.sampling_params.min_tokens:
+            fixed.append((row, c.min_tokens_banned))
+        if c.banned is not None:
+            fixed.append((row, c.banned))
+        for word in c.prefixed_bad_words:
+            if len(word) - 1 <= num_output and request.all_token_ids[1 - len(word) :] == word[:-1]:
+                prefixed.append((row, word[-1]))
+    pairs = [_row_pairs(fixed, device)] if fixed else []
+    if prefixed:
+        pairs.append(_pairs(prefixed, device))
+    return torch.cat(pairs, dim=1) if pairs else None
+
+
+def _row_pairs(parts: list[tuple[int, torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """[2, total] int64: (row, token) for every token of each row's tensor, in order. Written in place:
+    one copy of the tokens and a fill per part, the least memory traffic for what can be the whole
+    vocabulary per row."""
+    pairs = torch.empty(2, sum(len(t) for _, t in parts), dtype=torch.int64, device=device)
+    torch.cat([t for _, t in parts], out=pairs[1])
+    start = 0
+    for row, tokens in parts:
+        pairs[0, start : start + len(tokens)] = row
+        start += len(tokens)
+    return pairs
 
 
 def _penalties(requests: list[Request], device: torch.device) -> Penalties | None:
@@ -173,9 +239,7 @@ def _flat_pairs(token_lists: list[list[int]], device: torch.device) -> torch.Ten
     return torch.stack([rows, tokens]).to(device)
 
 
-def _pairs(pairs: list[tuple[int, int]], device: torch.device) -> torch.Tensor | None:
-    if not pairs:
-        return None
+def _pairs(pairs: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
     return torch.tensor(pairs, dtype=torch.int64).T.contiguous().to(device)
 
 

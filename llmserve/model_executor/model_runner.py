@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 
 import torch
 
@@ -17,7 +18,11 @@ from llmserve.model_executor.host_memory import empty_pool, populate_in_backgrou
 from llmserve.model_executor.input_buffers import InputBuffers
 from llmserve.model_executor.kernels import native
 from llmserve.model_executor.loader import ModelSource, iter_weights
-from llmserve.model_executor.logits_processors import apply_logits_processors, build_logits_metadata
+from llmserve.model_executor.logits_processors import (
+    CompiledCache,
+    apply_logits_processors,
+    build_logits_metadata,
+)
 from llmserve.model_executor.models.causal_lm import KVCache
 from llmserve.model_executor.models.decoder_config import DecoderConfig
 from llmserve.model_executor.models.native_decoder import misfit
@@ -83,6 +88,7 @@ class ModelRunner:
         self.block_size = 0
         self.inputs = InputBuffers()
         self._generators: dict[str, torch.Generator] = {}
+        self.logits_cache: CompiledCache = weakref.WeakKeyDictionary()  # an entry dies with its request
         self._argmax: Argmax = native.argmax_rows if self.plan.argmax == "argmax.c" else torch_argmax
 
     @property
@@ -160,7 +166,7 @@ class ModelRunner:
         row_requests = [s.request for s, n in zip(sampling, counts) for _ in range(n)]
         if grammar_bitmask is not None:
             apply_grammar_bitmask(logits, [r.request_id for r in row_requests], grammar_bitmask)
-        processing = build_logits_metadata(row_requests, logits.shape[-1], self.device)
+        processing = build_logits_metadata(row_requests, logits.shape[-1], self.device, self.logits_cache)
         processed = logits if processing is None else apply_logits_processors(logits, processing)
         metadata = self._sampling_metadata(row_requests)
         # seeded requests with guesses: their generator before the step, rewound past the kept rows after

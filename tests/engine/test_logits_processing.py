@@ -4,6 +4,7 @@ processors (and OpenAI's penalty formula) on mixed batches, then end to end thro
 from __future__ import annotations
 
 import random
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,10 +13,15 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.model_executor.logits_processors import apply_logits_processors, build_logits_metadata
+from llmserve.model_executor import logits_processors
+from llmserve.model_executor.logits_processors import (
+    CompiledCache,
+    apply_logits_processors,
+    build_logits_metadata,
+)
 from llmserve.scheduling.request import Request
 from tests.engine.logits_reference import reference_logits
-from tests.engine.test_llm_batching import assert_no_leaks, make_llm, random_prompts
+from tests.engine.test_llm_batching import assert_no_leaks, make_llm, random_prompts, runner_of
 from tests.fixtures.tiny_llama import EOS_ID, VOCAB_SIZE
 
 VOCAB = 48
@@ -123,6 +129,92 @@ def test_no_metadata_when_no_row_needs_processing() -> None:
     assert build_logits_metadata([request(PLAIN, [1], []), done], VOCAB, torch.device("cpu")) is None
 
 
+FULL_VOCAB = 49152  # a full vocabulary's worth of logit_bias keys, as in the probe that found it slow
+
+
+def full_vocabulary_params(seed: int) -> SamplingParams:
+    """A logit_bias on every token (some past the clamp) and all tokens but every 7th allowed, shuffled."""
+    rng = random.Random(seed)
+    tokens = list(range(FULL_VOCAB))
+    rng.shuffle(tokens)
+    return SamplingParams(
+        logit_bias={t: rng.uniform(-150.0, 150.0) for t in tokens},
+        allowed_token_ids=[t for t in tokens if t % 7],
+    )
+
+
+def test_full_vocabulary_bias_and_allowed_ids_match_a_plain_computation() -> None:
+    full = full_vocabulary_params(0)
+    bias_only, allowed_only = full.clone(allowed_token_ids=None), full.clone(logit_bias=None)
+    rows = [request(p, [1, 2], [3]) for p in (PLAIN, full, bias_only, PLAIN, allowed_only)]
+    raw = torch.randn(len(rows), FULL_VOCAB, generator=torch.Generator().manual_seed(1)) * 3
+    meta = build_logits_metadata(rows, FULL_VOCAB, torch.device("cpu"))
+    assert meta is not None
+    processed = apply_logits_processors(raw, meta)
+    vocab = torch.arange(FULL_VOCAB)
+    for i, r in enumerate(rows):
+        expected = raw[i].clone()
+        allowed, bias = r.sampling_params.allowed_token_ids, r.sampling_params.logit_bias
+        if allowed is not None:
+            expected[~torch.isin(vocab, torch.tensor(allowed))] = float("-inf")
+        if bias is not None:
+            expected += torch.tensor([bias[t] for t in range(FULL_VOCAB)], dtype=torch.float32)
+        assert torch.equal(processed[i], expected), i
+
+
+class UnreadableBias(dict[int, float]):
+    """A logit_bias that fails any pass over its items: a step that still walks the map raises."""
+
+    def __iter__(self) -> Iterator[int]:
+        raise AssertionError("the step iterated over logit_bias")
+
+    def items(self) -> Any:
+        raise AssertionError("the step iterated over logit_bias")
+
+    def keys(self) -> Any:
+        raise AssertionError("the step iterated over logit_bias")
+
+    def values(self) -> Any:
+        raise AssertionError("the step iterated over logit_bias")
+
+
+def test_steps_after_the_first_reuse_the_compiled_tensors_of_64_full_vocabulary_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """n=64 with a full-vocabulary logit_bias: the first step compiles each request's map once; the next
+    reuses those tensors (same objects) and neither compiles nor reads any map again."""
+    params = full_vocabulary_params(2)
+    rows = [request(params, [1, 2], [3]) for _ in range(64)]
+    cache: CompiledCache = weakref.WeakKeyDictionary()
+    device = torch.device("cpu")
+    first = build_logits_metadata(rows, FULL_VOCAB, device, cache)
+    compiled = [cache[r] for r in rows]
+    assert all(c.bias is not None and len(c.bias[0]) == FULL_VOCAB for c in compiled)
+
+    def no_compile(request: Request, device: torch.device) -> None:
+        raise AssertionError("a request was compiled twice")
+
+    monkeypatch.setattr(logits_processors, "_compile", no_compile)
+    monkeypatch.setattr(params, "logit_bias", UnreadableBias(params.logit_bias or {}))
+    monkeypatch.setattr(params, "allowed_token_ids", None)  # the compiled tensors must still restrict
+    second = build_logits_metadata(rows, FULL_VOCAB, device, cache)
+    assert all(cache[r] is c for r, c in zip(rows, compiled))
+    assert first is not None and second is not None
+    for field in ("allowed_rows", "allowed_mask", "bias_index", "bias_values"):
+        assert torch.equal(getattr(first, field), getattr(second, field)), field
+    assert first.bias_index is not None and first.bias_index.shape == (2, 64 * FULL_VOCAB)
+
+
+def test_compiled_processing_goes_with_its_request() -> None:
+    cache: CompiledCache = weakref.WeakKeyDictionary()
+    params = SamplingParams(logit_bias={1: 1.0}, allowed_token_ids=[1, 2])
+    kept, dropped = request(params, [1], []), request(params, [1], [])
+    assert build_logits_metadata([kept, dropped], VOCAB, torch.device("cpu"), cache) is not None
+    assert len(cache) == 2
+    del dropped
+    assert list(cache) == [kept]
+
+
 # ---- end to end, on the tiny model ----
 
 
@@ -185,6 +277,22 @@ def test_logit_bias_of_100_forces_a_token_and_allowed_token_ids_restrict(llm: LL
     allowed = SamplingParams(temperature=1.5, max_tokens=24, allowed_token_ids=[5, 50, 150], seed=2)
     seen = {t for o in llm.generate(prompts, allowed, use_tqdm=False) for t in o.outputs[0].token_ids}
     assert seen == {5, 50, 150}
+
+
+def test_compiled_processing_is_freed_when_requests_finish_or_are_aborted(llm: LLM) -> None:
+    cache = runner_of(llm).logits_cache
+    params = SamplingParams(
+        n=3, max_tokens=40, ignore_eos=True, logit_bias={5: 1.0, 50: -1.0}, allowed_token_ids=[5, 50, 150]
+    )
+    engine = llm.llm_engine
+    engine.add_request("probe", random_prompts(1, 5, 10, seed=15)[0], params)
+    engine.step()
+    assert len(cache) == 3, "each sample's request is compiled on its first step"
+    engine.abort_request(["probe"])
+    assert len(cache) == 0
+    llm.generate(random_prompts(4, 5, 10, seed=16), params.clone(max_tokens=4), use_tqdm=False)
+    assert len(cache) == 0
+    assert_no_leaks(llm)
 
 
 def test_min_tokens_holds_back_eos_and_stop_tokens_until_reached(llm: LLM) -> None:
