@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -107,8 +109,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             self.stop_token_ids = []
         self._validate()
         self._validate_logits_processing()
-        if self.logit_bias is not None:
-            self.logit_bias = {t: min(max(float(b), -100.0), 100.0) for t, b in self.logit_bias.items()}
+        if self.logit_bias:
+            self.logit_bias = _clamped_bias(self.logit_bias)
 
     def _validate(self) -> None:
         """Every integer must fit the engine's int64 messages (msgspec, torch), every float must be
@@ -167,11 +169,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}.")
         if self.logit_bias is not None and not (
             isinstance(self.logit_bias, dict)
-            and all(map(_is_token_id, self.logit_bias))
-            and all(
-                isinstance(b, (int, float)) and not isinstance(b, bool) and not math.isnan(b)
-                for b in self.logit_bias.values()
-            )
+            and _are_token_ids(self.logit_bias)
+            and _are_numbers(self.logit_bias.values())
         ):
             raise ValueError(
                 "logit_bias must map token ids (integers from 0 to 2**63 - 1) to numbers (not NaN)."
@@ -207,6 +206,29 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# A logit_bias may name every token of the vocabulary, and each of n > 1 children decodes it again in the
+# engine core: the checks below run per element in C (map, set, min, max), not in Python bytecode.
+
+
+def _are_token_ids(values: Iterable[object]) -> bool:
+    values = list(values)
+    return not values or (set(map(type, values)) == {int} and min(values) >= 0 and max(values) <= INT64_MAX)  # type: ignore[type-var,operator]
+
+
+def _are_numbers(values: Iterable[object]) -> bool:
+    values = list(values)
+    return not values or (set(map(type, values)) <= {int, float} and not any(map(math.isnan, values)))  # type: ignore[arg-type]
+
+
+def _clamped_bias(bias: dict[int, float]) -> dict[int, float]:
+    """Floats in [-100, 100] (OpenAI's range); the same dict when it already is."""
+    values = bias.values()
+    if set(map(type, values)) == {float} and min(values) >= -100.0 and max(values) <= 100.0:
+        return bias
+    clamped = map(min, map(max, map(float, values), itertools.repeat(-100.0)), itertools.repeat(100.0))
+    return dict(zip(bias, clamped))
 
 
 def _is_token_id(value: object) -> bool:
