@@ -161,7 +161,7 @@ def test_health_answers_while_a_long_prompt_is_tokenized(limited_server: RemoteS
         start = time.monotonic()
         body = {"prompt": prompt, "max_tokens": 1, "truncate_prompt_tokens": 8}
         with httpx.Client(
-            base_url=limited_server.url, timeout=120, headers={"Authorization": f"Bearer {KEY}"}
+            base_url=limited_server.url, timeout=120, headers={b"Authorization": f"Bearer {KEY}".encode()}
         ) as http:
             result["status"] = http.post("/v1/completions", json=body).status_code
         result["seconds"] = time.monotonic() - start
