@@ -135,3 +135,41 @@ def test_an_undeclared_method_gets_405_with_allow_in_openai_shape(fuzz_server: R
         allowed = {method.strip() for method in response.headers.get("allow", "").split(",")}
         assert allowed >= {method.upper() for method in operations}, (path, response.headers)
         assert_openai_error(response.status_code, response.content)
+
+
+def test_the_size_limits_are_published_and_enforced(fuzz_server: RemoteServer) -> None:
+    """What the fuzzer generates from: the limits /tokenize, /detokenize and structured outputs
+    enforce, from this server's model and flags; one past each is OpenAI's 400 naming the field."""
+    components = httpx.get(f"{fuzz_server.url}/openapi.json", timeout=10).json()["components"]["schemas"]
+
+    def bound(model: str, field: str, key: str) -> int:
+        prop = components[model]["properties"][field]
+        return int(next(m[key] for m in prop.get("anyOf", [prop]) if key in m))
+
+    max_chars = bound("TokenizeRequest", "prompt", "maxLength")
+    assert bound("DetokenizeRequest", "tokens", "maxItems") == 128  # max_model_len
+    assert (
+        bound("StructuredOutputsRequest", "regex", "maxLength")
+        == bound("StructuredOutputsRequest", "grammar", "maxLength")
+        == 1 << 20
+    )
+    assert bound("StructuredOutputsRequest", "choice", "maxItems") == 10_000
+    over = [
+        ("/tokenize", {"prompt": "a" * (max_chars + 1)}, "prompt"),
+        ("/detokenize", {"tokens": [1] * 129}, "tokens"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "structured_outputs": {"choice": ["a"] * 10_001}},
+            "structured_outputs.choice",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "structured_outputs": {"regex": "a" * ((1 << 20) + 1)}},
+            "structured_outputs.regex",
+        ),
+    ]
+    for path, body, field in over:
+        response = httpx.post(fuzz_server.url + path, json=body, timeout=60)
+        assert response.status_code == 400, (path, response.text[:300])
+        assert_openai_error(response.status_code, response.content)
+        assert response.json()["error"]["param"] == field, response.text[:300]

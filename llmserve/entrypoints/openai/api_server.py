@@ -43,6 +43,7 @@ from llmserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from llmserve.entrypoints.openai.published_limits import Limits, publish_limits
 from llmserve.entrypoints.openai.request_id import RequestIdEchoMiddleware, with_header_id
 from llmserve.entrypoints.openai.responses import (
     ChatCompletionResponse,
@@ -226,9 +227,7 @@ def build_app(
             )
         return await cancel_on_disconnect(raw_request, completions.create(request))
 
-    @app.post(
-        "/v1/chat/completions", response_model=None, responses=json_or_events(ChatCompletionResponse)
-    )
+    @app.post("/v1/chat/completions", response_model=None, responses=json_or_events(ChatCompletionResponse))
     async def create_chat_completion(
         request: ChatCompletionRequest, raw_request: Request
     ) -> ChatCompletionResponse | EventStreamResponse:
@@ -254,6 +253,25 @@ def build_app(
         body = await tokenization.run_blocking(lambda: tokenization.detokenize(request).model_dump_json())
         return Response(body, media_type="application/json")
 
+    grammar = engine.config.structured_outputs_config
+
+    def limits() -> Limits:
+        text, alternatives = (
+            {"maxLength": grammar.max_grammar_bytes},
+            {"maxItems": grammar.max_grammar_alternatives},
+        )
+        return {
+            "TokenizeRequest": {"prompt": {"maxLength": tokenization.max_prompt_chars}},
+            "DetokenizeRequest": {"tokens": {"maxItems": engine.limits.max_model_len}},
+            "StructuredOutputsRequest": {
+                "regex": text,
+                "grammar": text,
+                "whitespace_pattern": text,
+                "choice": alternatives,
+            },
+        }
+
+    publish_limits(app, limits)
     if not args.disable_playground:
         mount_playground(app)
     return app
