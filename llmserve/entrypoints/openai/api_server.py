@@ -152,15 +152,18 @@ def build_app(
     metrics: PrometheusStatLogger,
     stopping: asyncio.Event,
     executor: Executor | None = None,
+    tokenize_executor: Executor | None = None,
 ) -> FastAPI:
     """The routes on `engine`, which the caller owns (and shuts down); `metrics` must be one of its
-    stat loggers; setting `stopping` ends the requests in flight; `executor` (the caller's) tokenizes."""
+    stat loggers; setting `stopping` ends the requests in flight; `executor` (the caller's) prepares
+    the engine's requests, `tokenize_executor` serves /tokenize and /detokenize (with a tokenizer of
+    their own), so that an open route never queues work in front of the engine's requests."""
     model = engine.config.model_config.model
     models = ServedModels(args.served_model_names or (model,), model, engine.limits.max_model_len)
     as_ids = args.return_tokens_as_token_ids
     completions = OpenAIServingCompletion(engine, models, stopping, executor, as_ids)
     chat = OpenAIServingChat(engine, models, stopping, executor, as_ids, args.auto_tool_parser)
-    tokenization = OpenAIServingTokenization(engine, models, stopping, executor)
+    tokenization = OpenAIServingTokenization(engine, models, stopping, tokenize_executor)
     embeddings = OpenAIServingEmbedding(engine, models, stopping, executor)
 
     app = FastAPI(title="llmserve", version=__version__, responses=ERROR_RESPONSES)
@@ -291,9 +294,10 @@ async def serve(engine_args: EngineArgs, args: ServerArgs) -> None:
         max_num_queued_tokens=args.max_num_queued_tokens,
     )
     stopping = asyncio.Event()
-    executor = ThreadPoolExecutor(1, thread_name_prefix="llmserve-tokenize")
+    executor = ThreadPoolExecutor(1, thread_name_prefix="llmserve-prepare")
+    tokenize_executor = ThreadPoolExecutor(1, thread_name_prefix="llmserve-tokenize")
     try:
-        app = build_app(engine, args, metrics, stopping, executor)
+        app = build_app(engine, args, metrics, stopping, executor, tokenize_executor)
         config = uvicorn.Config(
             app,
             host=args.host,
@@ -306,6 +310,7 @@ async def serve(engine_args: EngineArgs, args: ServerArgs) -> None:
         await _Server(config, stopping, SHUTDOWN_GRACE_SECONDS).serve()
     finally:
         executor.shutdown(wait=False, cancel_futures=True)
+        tokenize_executor.shutdown(wait=False, cancel_futures=True)
         engine.shutdown()
 
 

@@ -86,6 +86,7 @@ class OpenAIServing:
         self.stopping = stopping
         self.executor = executor
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
+        self.tokenizer = engine.tokenizer  # used by one thread at a time: the executor's
 
     @functools.cached_property
     def max_prompt_chars(self) -> int:
@@ -93,7 +94,7 @@ class OpenAIServing:
         A token covers at most as many characters as the vocabulary's longest entry (byte-level
         vocabularies spell each byte as one character, so a character of text is at least one there);
         doubled for normalizers that merge characters (NFKC)."""
-        longest = max(map(len, self.engine.tokenizer.get_vocab()))
+        longest = max(map(len, self.tokenizer.get_vocab()))
         return 2 * longest * self.engine.limits.max_model_len
 
     def check_prompt_chars(self, chars: int, field: str) -> None:
@@ -226,7 +227,7 @@ class OpenAIServing:
         if check_chars:
             self.check_prompt_chars(len(text), "messages")
         return TokensPrompt(
-            prompt_token_ids=self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            prompt_token_ids=self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         )
 
     def prepare(

@@ -5,13 +5,29 @@ completion's preparation."""
 
 from __future__ import annotations
 
+import asyncio
+import copy
+from concurrent.futures import Executor
+
+from llmserve.engine.async_llm import AsyncLLM
 from llmserve.entrypoints.openai.errors import OpenAIError
 from llmserve.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from llmserve.entrypoints.openai.responses import DetokenizeResponse, TokenizeResponse
 from llmserve.entrypoints.openai.serving_engine import OpenAIServing
+from llmserve.entrypoints.openai.serving_models import ServedModels
 
 
 class OpenAIServingTokenization(OpenAIServing):
+    """Its own copy of the tokenizer, on its own executor: a fast tokenizer is not to be used from two
+    threads at once (truncating a prompt reconfigures it), and these open routes must not wait behind,
+    or hold up, the preparation of the engine's requests."""
+
+    def __init__(
+        self, engine: AsyncLLM, models: ServedModels, stopping: asyncio.Event, executor: Executor | None
+    ) -> None:
+        super().__init__(engine, models, stopping, executor)
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+
     def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         self.models.resolve(request.model)
         if request.messages is not None and request.prompt is None:
@@ -25,7 +41,7 @@ class OpenAIServingTokenization(OpenAIServing):
         elif request.prompt is not None and request.messages is None:
             self.check_prompt_chars(len(request.prompt), "prompt")
             add_special_tokens = request.add_special_tokens is not False
-            tokens = self.engine.tokenizer.encode(request.prompt, add_special_tokens=add_special_tokens)
+            tokens = self.tokenizer.encode(request.prompt, add_special_tokens=add_special_tokens)
         else:
             raise OpenAIError("Give exactly one of 'prompt' and 'messages'.", param="prompt")
         return TokenizeResponse(
@@ -44,4 +60,4 @@ class OpenAIServingTokenization(OpenAIServing):
         bad = next((t for t in request.tokens if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise OpenAIError(f"Token id {bad} is out of vocabulary (size {vocab_size}).", param="tokens")
-        return DetokenizeResponse(prompt=str(self.engine.tokenizer.decode(request.tokens)))
+        return DetokenizeResponse(prompt=str(self.tokenizer.decode(request.tokens)))
