@@ -296,7 +296,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="none", help="ours (the peers run as they do)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="ours (the peers run as they do)")
-    parser.add_argument("--block-size", type=int, default=EngineArgs.block_size, help="ours: tokens per KV block")
+    parser.add_argument(
+        "--block-size", type=int, default=EngineArgs.block_size, help="ours: tokens per KV block"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=[*PEERS, "none"])
     parser.add_argument("--hf-batch-size", type=int, default=64)
