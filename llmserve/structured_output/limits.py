@@ -13,6 +13,8 @@ import re
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
+from llguidance.gbnf_to_lark import any_to_lark
+
 from llmserve.config import StructuredOutputsConfig
 from llmserve.sampling_params import StructuredOutputsParams
 
@@ -28,7 +30,7 @@ def check_limits(params: StructuredOutputsParams, limits: StructuredOutputsConfi
         schema = params.json
         if isinstance(schema, str):
             _check_bytes(len(schema.encode("utf-8", "surrogatepass")), field, limits)
-            _check_depth(_json_text_depth(schema), field, limits)
+            _check_depth(_json_text_depth(schema)[0], field, limits)
             try:
                 schema = json.loads(schema)
             except ValueError:
@@ -45,10 +47,11 @@ def check_limits(params: StructuredOutputsParams, limits: StructuredOutputsConfi
         _check_bytes(sum(len(c.encode("utf-8", "surrogatepass")) for c in params.choice), field, limits)
     elif params.grammar is not None:
         _check_bytes(len(params.grammar.encode("utf-8", "surrogatepass")), field, limits)
-        # GBNF's rules and nesting look the same to these counts as Lark's
         _check_lark(params.grammar, field, limits)
     if params.whitespace_pattern is not None:
-        _check_regex(params.whitespace_pattern, "structured_outputs.whitespace_pattern", limits)
+        where = "structured_outputs.whitespace_pattern"
+        _check_bytes(len(params.whitespace_pattern.encode("utf-8", "surrogatepass")), where, limits)
+        _check_regex(params.whitespace_pattern, where, limits)
 
 
 def _check_bytes(size: int, field: str, limits: StructuredOutputsConfig) -> None:
@@ -76,20 +79,25 @@ def _check_alternatives(count: int, field: str, limits: StructuredOutputsConfig)
 
 # --- JSON schemas ---------------------------------------------------------------------------------
 
-_BRACKETS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+# Strings, then brackets. Every construct matches through the end of the text when it is left open
+# (possessive, no backtracking), so a scan is linear on any input.
+_BRACKETS = re.compile(r'"(?:[^"\\]|\\.)*+"?|[\[\]{}]', re.DOTALL)
 
 
-def _json_text_depth(text: str) -> int:
-    """How deeply the JSON `text` nests, without parsing it (the parser recurses per level)."""
+def _json_text_depth(text: str, start: int = 0) -> tuple[int, int]:
+    """(how deeply the JSON value at `start` of `text` nests, where it ends), without parsing it (the
+    parser recurses per level)."""
     depth = deepest = 0
-    for match in _BRACKETS.finditer(text):
+    for match in _BRACKETS.finditer(text, start):
         token = match.group()
         if token in "[{":
             depth += 1
             deepest = max(deepest, depth)
         elif token in "]}":
             depth -= 1
-    return deepest
+            if depth == 0:
+                return deepest, match.end()
+    return deepest, len(text)
 
 
 # Keywords whose value is a list of alternative subschemas, or of allowed values.
@@ -97,25 +105,39 @@ _ALTERNATIVE_KEYS = ("anyOf", "oneOf", "allOf", "enum", "prefixItems")
 
 
 def _check_schema(schema: Any, field: str, limits: StructuredOutputsConfig) -> None:
-    """Depth counts each object and array of the schema, and goes on through each local `$ref` into
-    its target (a `$ref` chain nests as deep as the schemas it links), as a compiler expanding the
-    schema would; a `$ref` back into its own chain is recursion, which the grammar keeps as a rule."""
+    """Depth counts each object and array of the schema, and goes on through each `$ref` into its target
+    (a `$ref` chain nests as deep as the schemas it links), as a compiler expanding the schema would; a
+    `$ref` back into its own chain is recursion, which the grammar keeps as a rule. Each node a `$ref`
+    reaches is walked once, however many `$ref`s reach it."""
+    nodes: dict[int, Any] = {id(schema): schema}
+    targets: dict[str, int] = {}
 
-    def walk(pointer: str) -> tuple[int, list[tuple[int, str]]]:
-        root = _resolve(schema, pointer)
+    def target(ref: str) -> int:
+        if ref not in targets:
+            if not ref.startswith("#") or ref[1:2] not in ("", "/"):
+                raise GrammarLimitError(
+                    f"{field} has a $ref to {ref[:100]!r}: only references within the schema, as JSON "
+                    "pointers (#/...), are accepted."
+                )
+            node = _resolve(schema, ref[1:])
+            nodes[id(node)] = node
+            targets[ref] = id(node)
+        return targets[ref]
+
+    def walk(key: int) -> tuple[int, list[tuple[int, int]]]:
         deepest, refs = 0, []
-        stack: list[tuple[Any, int]] = [(root, 1)]
+        stack: list[tuple[Any, int]] = [(nodes[key], 1)]
         while stack:
             node, depth = stack.pop()
             if isinstance(node, dict):
                 deepest = max(deepest, depth)
                 _check_depth(deepest, field, limits)
                 ref = node.get("$ref")
-                if isinstance(ref, str) and ref.startswith("#"):
-                    refs.append((depth, ref[1:]))
-                for key in _ALTERNATIVE_KEYS:
-                    if isinstance(node.get(key), list):
-                        _check_alternatives(len(node[key]), field, limits)
+                if isinstance(ref, str):
+                    refs.append((depth, target(ref)))
+                for name in _ALTERNATIVE_KEYS:
+                    if isinstance(node.get(name), list):
+                        _check_alternatives(len(node[name]), field, limits)
                 stack.extend((child, depth + 1) for child in node.values())
             elif isinstance(node, list):
                 deepest = max(deepest, depth)
@@ -123,8 +145,7 @@ def _check_schema(schema: Any, field: str, limits: StructuredOutputsConfig) -> N
                 stack.extend((child, depth + 1) for child in node)
         return deepest, refs
 
-    depth = _longest_chain("", walk)
-    _check_depth(depth, field, limits)
+    _check_chains([id(schema)], walk, field, limits)
 
 
 def _resolve(schema: Any, pointer: str) -> Any:
@@ -141,38 +162,48 @@ def _resolve(schema: Any, pointer: str) -> Any:
     return node
 
 
-def _longest_chain(start: Hashable, walk: Callable[[Any], tuple[int, Iterable[tuple[int, Any]]]]) -> int:
-    """The deepest nesting from `start` through references: `walk(unit)` gives the unit's own depth and
-    its references as (depth at the reference, unit referred to). Each unit is walked once (a DAG of
-    references costs its size, not its number of paths); a reference back into the current chain adds
-    nothing. Iterative: chains of any length."""
-    done: dict[Any, int] = {}
-    on_chain: set[Any] = set()
-    own, refs = walk(start)
-    stack: list[tuple[Any, int, list[tuple[int, Any]]]] = [(start, own, list(refs))]
-    on_chain.add(start)
-    while stack:
-        unit, deepest, pending = stack[-1]
-        if pending:
-            depth, target = pending.pop()
-            if target in done:
-                stack[-1] = (unit, max(deepest, depth + done[target]), pending)
-            elif target not in on_chain:
-                on_chain.add(target)
-                target_own, target_refs = walk(target)
-                stack.append((target, target_own, list(target_refs)))
-                # the parent's depth at this reference is added once the target is done
-                stack[-2][2].append((depth, target))
+def _check_chains(
+    starts: Iterable[Hashable],
+    walk: Callable[[Any], tuple[int, Iterable[tuple[int, Any]]]],
+    field: str,
+    limits: StructuredOutputsConfig,
+) -> None:
+    """Refuses, as soon as one is found, a chain of references from any of `starts` that nests deeper
+    than the limit: `walk(unit)` gives the unit's own depth and its references as (depth at the
+    reference, unit referred to). Each unit is walked once (a DAG of references costs its size, not its
+    number of paths); a reference back into the current chain adds nothing. Iterative: chains of any
+    length."""
+    done: dict[Any, int] = {}  # unit → the deepest nesting below it, itself included
+    for start in starts:
+        if start in done:
             continue
-        stack.pop()
-        on_chain.discard(unit)
-        done[unit] = deepest
-    return done[start]
+        own, refs = walk(start)
+        # [unit, depth at which it starts, the deepest below it so far, references still to follow]
+        stack: list[list[Any]] = [[start, 0, own, list(refs)]]
+        on_chain = {start}
+        while stack:
+            frame = stack[-1]
+            unit, base, deepest, pending = frame
+            if not pending:
+                stack.pop()
+                on_chain.discard(unit)
+                done[unit] = deepest
+                continue
+            depth, ref = pending.pop()
+            if ref in done:
+                frame[2] = max(deepest, depth + done[ref])
+                _check_depth(base + frame[2], field, limits)
+            elif ref not in on_chain:
+                ref_own, ref_refs = walk(ref)
+                _check_depth(base + depth + ref_own, field, limits)
+                pending.append((depth, ref))  # taken again once `ref` is done
+                on_chain.add(ref)
+                stack.append([ref, base + depth, ref_own, list(ref_refs)])
 
 
 # --- regular expressions and Lark / GBNF grammars ----------------------------------------------------
 
-_REGEX_TOKENS = re.compile(r"\\.|\[(?:\\.|[^\]\\])*\]|[()|]", re.DOTALL)
+_REGEX_TOKENS = re.compile(r"\\.|\[(?:\\.|[^\]\\])*+\]?|[()|]", re.DOTALL)
 
 
 def _regex_shape(regex: str) -> tuple[int, int]:
@@ -200,51 +231,77 @@ def _check_regex(regex: str, field: str, limits: StructuredOutputsConfig) -> Non
     _check_alternatives(alternatives, field, limits)
 
 
-# A definition starts a line: `name:`, `?name:`, `name.2:`, `NAME:` (Lark) or `name ::=` (GBNF).
-_DEFINITION = re.compile(r"^[ \t]*\??([A-Za-z_][\w-]*)(?:\.-?\d+)?[ \t]*(?::(?![:=])|::=)", re.MULTILINE)
+# A definition starts a line: `name:`, `?name:`, `!name:`, `name.2:`, `NAME:`; GBNF's `name ::=`.
+_DEFINITION = re.compile(r"^[ \t]*[?!]?([A-Za-z_][\w-]*)(?:\.-?\d+)?[ \t]*:(?!:)", re.MULTILINE)
+_GBNF_DEFINITION = re.compile(r"^[ \t]*[A-Za-z_][\w-]*[ \t]*::=", re.MULTILINE)
 _LARK_TOKENS = re.compile(
-    r"//[^\n]*|#[^\n]*|\"(?:[^\"\\\n]|\\.)*\"i?|'(?:[^'\\\n]|\\.)*'|/(?:[^/\\\n]|\\.)+/[imslux]*"
-    r"|\[(?:\\.|[^\]\\\n])*\]|[A-Za-z_][\w-]*|[()|]"
+    r"//[^\n]*|\"(?:[^\"\\\n]|\\.)*+\"?i?|'(?:[^'\\\n]|\\.)*+'?|/(?:[^/\\\n]|\\.)++/?[imslux]*"
+    r"|\[(?:\\.|[^\]\\\n])*+\]?|%json\b|[A-Za-z_][\w-]*|[()|]"
 )
 
 
 def _check_lark(grammar: str, field: str, limits: StructuredOutputsConfig) -> None:
-    """Rules counted; depth through rule references and parentheses; alternatives per rule (and per
-    group), each regex literal's too."""
+    """Rules counted; depth through rule references, parentheses and the schemas of `%json`;
+    alternatives per rule and per group, each regex literal's too. Every rule is walked, reachable or
+    not. GBNF is checked as llguidance's Lark conversion of it, once its rules are counted (the
+    conversion takes time quadratic in them)."""
+    _check_rules(len(_GBNF_DEFINITION.findall(grammar)), field, limits)
+    try:
+        grammar = any_to_lark(grammar)
+    except Exception:  # noqa: BLE001 (neither Lark nor GBNF: `to_grammar` refuses it)
+        return
     starts = list(_DEFINITION.finditer(grammar))
-    if len(starts) > limits.max_grammar_rules:
-        raise GrammarLimitError(
-            f"{field} defines {len(starts)} rules, more than the server's limit of "
-            f"{limits.max_grammar_rules} (--max-grammar-rules)."
-        )
-    bodies: dict[str, str] = {}
+    _check_rules(len(starts), field, limits)
+    bodies: dict[str, list[tuple[int, int]]] = {}
     for i, match in enumerate(starts):
         end = starts[i + 1].start() if i + 1 < len(starts) else len(grammar)
-        bodies[match.group(1)] = bodies.get(match.group(1), "") + "\n|" + grammar[match.end() : end]
+        bodies.setdefault(match.group(1), []).append((match.end(), end))
 
     def walk(name: str) -> tuple[int, list[tuple[int, str]]]:
-        depth = deepest = 0
-        counts = [0]
-        refs: list[tuple[int, str]] = []
-        for match in _LARK_TOKENS.finditer(bodies.get(name, "")):
-            token = match.group()
-            if token == "(":
-                depth += 1
-                deepest = max(deepest, depth)
-                counts.append(1)
-            elif token == ")" and len(counts) > 1:
-                depth -= 1
-                _check_alternatives(counts.pop(), field, limits)
-            elif token == "|":
-                counts[-1] += 1
-            elif token.startswith("/"):
-                _check_regex(token, field, limits)
-            elif token in bodies and token != name:
-                refs.append((depth + 1, token))
-        _check_alternatives(max(counts), field, limits)
+        deepest, refs = 0, []
+        for begin, end in bodies[name]:
+            depth, counts, skip_to = 0, [1], begin
+            for match in _LARK_TOKENS.finditer(grammar, begin, end):
+                token = match.group()
+                if match.start() < skip_to:
+                    continue
+                if token == "%json":
+                    skip_to = _check_inline_schema(grammar, match.end(), field, limits)
+                elif token == "(":
+                    depth += 1
+                    deepest = max(deepest, depth)
+                    counts.append(1)
+                elif token == ")" and len(counts) > 1:
+                    depth -= 1
+                    _check_alternatives(counts.pop(), field, limits)
+                elif token == "|":
+                    counts[-1] += 1
+                elif token.startswith("/"):
+                    _check_regex(token, field, limits)
+                elif token in bodies and token != name:
+                    refs.append((depth + 1, token))
+            _check_alternatives(max(counts), field, limits)
         _check_depth(deepest, field, limits)
         return deepest, refs
 
-    first = "start" if "start" in bodies else next(iter(bodies), None)
-    if first is not None:
-        _check_depth(_longest_chain(first, walk), field, limits)
+    _check_chains(bodies, walk, field, limits)
+
+
+def _check_rules(count: int, field: str, limits: StructuredOutputsConfig) -> None:
+    if count > limits.max_grammar_rules:
+        raise GrammarLimitError(
+            f"{field} defines {count} rules, more than the server's limit of {limits.max_grammar_rules} "
+            "(--max-grammar-rules)."
+        )
+
+
+def _check_inline_schema(grammar: str, start: int, field: str, limits: StructuredOutputsConfig) -> int:
+    """The JSON schema of a `%json { ... }` at `start`, checked as a `json` field is; where it ends."""
+    depth, end = _json_text_depth(grammar, start)
+    _check_depth(depth, field, limits)
+    try:
+        schema = json.loads(grammar[start:end])
+    except ValueError:
+        return end  # not JSON: llguidance says so
+    _check_schema(schema, field, limits)
+    return end

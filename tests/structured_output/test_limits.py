@@ -4,6 +4,7 @@ about 1,000, a Lark rule chain of about 3,000); ordinary ones pass."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
@@ -149,3 +150,64 @@ def test_a_schema_object_is_measured_as_its_json() -> None:
     assert "--max-grammar-bytes" in refused(
         StructuredOutputsParams(json=schema), StructuredOutputsConfig(max_grammar_bytes=1_000)
     )
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        StructuredOutputsParams(regex="[" * (1 << 20)),
+        StructuredOutputsParams(json='["' + '"\\' * (1 << 18)),
+        StructuredOutputsParams(grammar='start: "a"\n' + '"\\' * (1 << 18)),
+        StructuredOutputsParams(grammar='start: "a"\n' + "[" * ((1 << 20) - 16)),
+        StructuredOutputsParams(grammar="start: /" + "a" * ((1 << 20) - 16)),
+    ],
+)
+def test_unclosed_strings_and_classes_are_scanned_once(params: StructuredOutputsParams) -> None:
+    """A string, class or regex left open matched to the end of the text from every position where it
+    might start: 40 KB took 46 s. Each construct now consumes the rest at once; quadratic here would
+    take hours."""
+    with contextlib.suppress(GrammarLimitError):
+        check_limits(params, LIMITS)
+
+
+def test_every_rule_is_counted_and_walked() -> None:
+    """`!name:` rules (kept in the tree), rules no other reaches, and GBNF whose `root` is not first."""
+    bang = "start: r0\n" + "".join(f"!r{i}: r{i + 1}\n" for i in range(3_000)) + '!r3000: "b"'
+    assert "--max-grammar-rules" in refused(StructuredOutputsParams(grammar=bang))
+    unreachable = 'start: "a"\n' + "\n".join(f'r{i}: r{i + 1} "a"' for i in range(500)) + '\nr500: "b"'
+    assert "--max-grammar-depth" in refused(StructuredOutputsParams(grammar=unreachable))
+    gbnf = (
+        'a ::= "x"\nroot ::= r0\n'
+        + "\n".join(f'r{i} ::= r{i + 1} "a"' for i in range(300))
+        + '\nr300 ::= "b"'
+    )
+    assert "--max-grammar-depth" in refused(StructuredOutputsParams(grammar=gbnf))
+    many = "root ::= r0\n" + "\n".join(f'r{i} ::= "a"' for i in range(3_000))
+    assert "--max-grammar-rules" in refused(StructuredOutputsParams(grammar=many))
+
+
+def test_a_schema_inside_a_grammar_is_checked_as_a_schema() -> None:
+    inline = "start: %json " + json.dumps(ref_chain(1_000))
+    assert "--max-grammar-depth" in refused(StructuredOutputsParams(grammar=inline))
+    check_limits(StructuredOutputsParams(grammar='start: "x" %json {"type": "integer"}'), LIMITS)
+
+
+def test_only_json_pointer_refs_are_followed_the_rest_refused() -> None:
+    """A `$ref` through `$id` or an anchor is resolved by llguidance, not by this walk: refused."""
+    by_id = {"$id": "urn:a", "$ref": "urn:a#/$defs/d0", "$defs": {"d0": {"type": "string"}}}
+    assert "only references within the schema" in refused(StructuredOutputsParams(json=by_id))
+    anchor = {"type": "object", "properties": {"a": {"$ref": "#x"}}}
+    assert "only references within the schema" in refused(StructuredOutputsParams(json=anchor))
+
+
+def test_many_refs_to_one_node_walk_it_once() -> None:
+    """800 spellings of one pointer (leading zeros) into a 200-item list: walked per node, not per
+    spelling (it took 9 s)."""
+    schema = {
+        "type": "object",
+        "$defs": {
+            "l": [{"type": "object", "properties": {f"q{j}": {"type": "string"} for j in range(20)}}] * 200
+        },
+        "properties": {f"p{i}": {"$ref": "#/$defs/l/" + "0" * (i + 1)} for i in range(800)},
+    }
+    check_limits(StructuredOutputsParams(json=schema), StructuredOutputsConfig(max_grammar_bytes=1 << 22))
