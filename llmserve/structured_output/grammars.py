@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import copy
 import functools
+import hashlib
 import json
 import threading
 import weakref
@@ -18,6 +19,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import llguidance
+import msgspec
 from llguidance.gbnf_to_lark import any_to_lark
 
 from llmserve.config import StructuredOutputsConfig
@@ -33,11 +35,13 @@ _ANY_OBJECT = '{"type": "object"}'
 # An LLTokenizer takes about a second to build from a Hugging Face one: one per front-end tokenizer.
 _LL_TOKENIZERS: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
 _LL_TOKENIZERS_LOCK = threading.Lock()
-# Grammars already validated, per tokenizer, most recent last: validating builds the lexer (up to
-# llguidance's limits), which a request's second and third checks need not repeat.
-_VALID_GRAMMARS: weakref.WeakKeyDictionary[Any, OrderedDict[str, None]] = weakref.WeakKeyDictionary()
-_MAX_VALID_GRAMMARS = 512
-_VALID_LOCK = threading.Lock()
+# Digests of the params that passed, per tokenizer, most recent last: a request's constraint is checked
+# again as it is prepared and submitted, which must then cost no limits walk, conversion or validation.
+# Digests, not grammars: the memory stays small while the count stays large enough that no client can
+# push a request's entry out between its checks.
+_PASSED: weakref.WeakKeyDictionary[Any, OrderedDict[bytes, None]] = weakref.WeakKeyDictionary()
+_MAX_PASSED = 1 << 16
+_PASSED_LOCK = threading.Lock()
 
 
 class StructuredOutputError(ValueError):
@@ -77,12 +81,14 @@ def to_grammar(params: StructuredOutputsParams) -> str:
 def check(params: StructuredOutputsParams, tokenizer: object, limits: StructuredOutputsConfig) -> None:
     """Raises `ValueError` naming the field and the problem when `params` is past `limits` or cannot
     compile for this tokenizer (the front end's Hugging Face tokenizer: special tokens a grammar names
-    must exist). The limits are checked here; llguidance's validation, unless this grammar passed it
-    before, runs on a grammar thread, waited for up to `limits.grammar_timeout`."""
-    grammar = _bounded_grammar(params, limits)
-    if _is_valid(tokenizer, grammar):
+    must exist). Params that passed before (under the same limits) cost one hash of their encoding;
+    others are checked against the limits here, then validated on a grammar thread, waited for up to
+    `limits.grammar_timeout`."""
+    key = _key(params, limits)
+    if _passed(tokenizer, key):
         return
-    future = _grammar_threads().submit(_validate, params.kind, grammar, tokenizer)
+    grammar = _bounded_grammar(params, limits)
+    future = _grammar_threads().submit(_validate, params.kind, grammar, tokenizer, key)
     try:
         future.result(limits.grammar_timeout)
     except concurrent.futures.TimeoutError:
@@ -94,8 +100,8 @@ async def check_async(
     params: StructuredOutputsParams, tokenizer: object, limits: StructuredOutputsConfig
 ) -> None:
     """`check`, all of it on a grammar thread: the caller's thread (the server's event loop, or the one
-    that tokenizes every request) never waits on one request's grammar. A grammar that passes is
-    remembered, so that `check` on the same params afterwards costs only the limits."""
+    that prepares every request) never waits on one request's grammar. Params that pass are
+    remembered, so that `check` on them afterwards costs one hash."""
     future = _grammar_threads().submit(_check_here, params, tokenizer, limits)
     try:
         await asyncio.wait_for(asyncio.wrap_future(future), limits.grammar_timeout)
@@ -110,9 +116,9 @@ def prepare(tokenizer: object) -> None:
 
 
 def _check_here(params: StructuredOutputsParams, tokenizer: object, limits: StructuredOutputsConfig) -> None:
-    grammar = _bounded_grammar(params, limits)
-    if not _is_valid(tokenizer, grammar):
-        _validate(params.kind, grammar, tokenizer)
+    key = _key(params, limits)
+    if not _passed(tokenizer, key):
+        _validate(params.kind, _bounded_grammar(params, limits), tokenizer, key)
 
 
 def _bounded_grammar(params: StructuredOutputsParams, limits: StructuredOutputsConfig) -> str:
@@ -125,24 +131,35 @@ def _bounded_grammar(params: StructuredOutputsParams, limits: StructuredOutputsC
     return to_grammar(params)
 
 
-def _is_valid(tokenizer: object, grammar: str) -> bool:
-    with _VALID_LOCK:  # the server checks on grammar threads, the engine's front end on its own
-        valid = _VALID_GRAMMARS.setdefault(tokenizer, OrderedDict())
-        if grammar in valid:
-            valid.move_to_end(grammar)
+def _key(params: StructuredOutputsParams, limits: StructuredOutputsConfig) -> bytes | None:
+    """A digest of the params and the limits they were checked under; None for params too deep to
+    encode (the limits refuse them)."""
+    try:
+        encoded = msgspec.msgpack.encode(params)
+    except RecursionError:
+        return None
+    return hashlib.sha256(encoded + repr(limits).encode()).digest()
+
+
+def _passed(tokenizer: object, key: bytes | None) -> bool:
+    with _PASSED_LOCK:  # grammar threads add; the server's threads and the engine's front end look up
+        passed = _PASSED.setdefault(tokenizer, OrderedDict())
+        if key is not None and key in passed:
+            passed.move_to_end(key)
             return True
     return False
 
 
-def _validate(kind: str, grammar: str, tokenizer: object) -> None:
+def _validate(kind: str, grammar: str, tokenizer: object, key: bytes | None) -> None:
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer(tokenizer))
     if is_error:
         raise ValueError(f"structured_outputs.{kind} is invalid: {messages[0]}")
-    with _VALID_LOCK:
-        valid = _VALID_GRAMMARS.setdefault(tokenizer, OrderedDict())
-        valid[grammar] = None
-        if len(valid) > _MAX_VALID_GRAMMARS:
-            valid.popitem(last=False)
+    if key is not None:
+        with _PASSED_LOCK:
+            passed = _PASSED.setdefault(tokenizer, OrderedDict())
+            passed[key] = None
+            if len(passed) > _MAX_PASSED:
+                passed.popitem(last=False)
 
 
 def _timed_out(params: StructuredOutputsParams, limits: StructuredOutputsConfig) -> ValueError:

@@ -10,6 +10,7 @@ import pytest
 
 from llmserve.config import StructuredOutputsConfig
 from llmserve.sampling_params import StructuredOutputsParams
+from llmserve.structured_output import grammars
 from llmserve.structured_output.grammars import check, check_async, to_grammar
 from llmserve.structured_output.llguidance_backend import LLGuidanceBackend
 
@@ -108,3 +109,20 @@ def test_check_async_refuses_past_the_limits_and_passes_the_rest(tokenizer: Any)
     with pytest.raises(ValueError, match="unclosed character class"):
         asyncio.run(check_async(StructuredOutputsParams(regex="[a-"), tokenizer, LIMITS))
     asyncio.run(check_async(StructuredOutputsParams(json=PERSON), tokenizer, LIMITS))
+
+
+def test_params_that_passed_are_checked_again_for_the_cost_of_a_hash(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server checks a constraint off its shared threads first; the checks as the request is
+    prepared and submitted must then do no limits walk, conversion or validation there."""
+    params = StructuredOutputsParams(json={**PERSON, "title": uuid.uuid4().hex})
+    asyncio.run(check_async(params, tokenizer, LIMITS))
+
+    def fail(*_: object) -> None:
+        raise AssertionError("checked again")
+
+    monkeypatch.setattr(grammars, "_bounded_grammar", fail)
+    check(StructuredOutputsParams(json=dict(params.json)), tokenizer, LIMITS)  # type: ignore[arg-type]
+    with pytest.raises(AssertionError):  # other limits: not the same check
+        check(params, tokenizer, StructuredOutputsConfig(max_grammar_depth=3))
