@@ -214,12 +214,18 @@ def _is_int(value: object) -> bool:
 
 def _are_token_ids(values: Iterable[object]) -> bool:
     values = list(values)
-    return not values or (set(map(type, values)) == {int} and min(values) >= 0 and max(values) <= INT64_MAX)  # type: ignore[type-var,operator]
+    ints = all(map(isinstance, values, itertools.repeat(int))) and not any(
+        map(isinstance, values, itertools.repeat(bool))
+    )
+    return not values or (ints and min(values) >= 0 and max(values) <= INT64_MAX)  # type: ignore[type-var,operator]
 
 
 def _are_numbers(values: Iterable[object]) -> bool:
     values = list(values)
-    return not values or (set(map(type, values)) <= {int, float} and not any(map(math.isnan, values)))  # type: ignore[arg-type]
+    numbers = all(map(isinstance, values, itertools.repeat((int, float)))) and not any(
+        map(isinstance, values, itertools.repeat(bool))
+    )
+    return numbers and not any(map(math.isnan, values))  # type: ignore[arg-type]
 
 
 def _clamped_bias(bias: dict[int, float]) -> dict[int, float]:

@@ -29,6 +29,7 @@ class LargeStackExecutor(Executor):
 
     def __init__(self, workers: int, name: str) -> None:
         self._work: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._stopped = False
         self._threads = [
             threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(workers)
         ]
@@ -41,6 +42,8 @@ class LargeStackExecutor(Executor):
                 threading.stack_size(previous)
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        if self._stopped:
+            raise RuntimeError("cannot submit work after shutdown")
         future: Future[T] = Future()
         self._work.put((future, lambda: fn(*args, **kwargs)))
         return future
@@ -56,6 +59,12 @@ class LargeStackExecutor(Executor):
                 future.set_exception(e)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._stopped = True
+        if cancel_futures:
+            while not self._work.empty():
+                item = self._work.get_nowait()
+                if item is not None:
+                    item[0].cancel()
         for _ in self._threads:
             self._work.put(None)
         if wait:

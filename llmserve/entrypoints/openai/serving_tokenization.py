@@ -18,9 +18,10 @@ from llmserve.entrypoints.openai.serving_models import ServedModels
 
 
 class OpenAIServingTokenization(OpenAIServing):
-    """Its own copy of the tokenizer, on its own executor: a fast tokenizer is not to be used from two
-    threads at once (truncating a prompt reconfigures it), and these open routes must not wait behind,
-    or hold up, the preparation of the engine's requests."""
+    """Encodes and decodes with its own copy of the tokenizer, on its own executor: a fast tokenizer is
+    not to be used from two threads at once (truncating a prompt reconfigures it), and these open routes
+    must not wait behind, or hold up, the preparation of the engine's requests. (Chat messages are
+    rendered to text by the engine's chat template, which only reads the tokenizer.)"""
 
     def __init__(
         self, engine: AsyncLLM, models: ServedModels, stopping: asyncio.Event, executor: Executor | None
