@@ -206,29 +206,42 @@ def _check_chains(
 _REGEX_TOKENS = re.compile(r"\\.|\[(?:\\.|[^\]\\])*+\]?|[()|]", re.DOTALL)
 
 
-def _regex_shape(regex: str) -> tuple[int, int]:
-    """(group nesting depth, the most alternatives of one group or of the whole) of a regex."""
-    depth = deepest = 0
-    counts = [1]
-    widest = 1
-    for match in _REGEX_TOKENS.finditer(regex):
-        token = match.group()
+class _Groups:
+    """Parenthesised groups as their tokens go by: how deep they nest, and the most alternatives (`|`)
+    of one group or of the whole."""
+
+    def __init__(self) -> None:
+        self.depth = self.deepest = 0
+        self.counts = [1]  # alternatives of each open group, the whole first
+        self.widest = 1
+
+    def take(self, token: str) -> bool:
+        """False for a token that is not `(`, `)` or `|`."""
         if token == "(":
-            depth += 1
-            deepest = max(deepest, depth)
-            counts.append(1)
-        elif token == ")" and len(counts) > 1:
-            depth -= 1
-            widest = max(widest, counts.pop())
+            self.depth += 1
+            self.deepest = max(self.deepest, self.depth)
+            self.counts.append(1)
+        elif token == ")":
+            if len(self.counts) > 1:
+                self.depth -= 1
+                self.widest = max(self.widest, self.counts.pop())
         elif token == "|":
-            counts[-1] += 1
-    return deepest, max(widest, *counts)
+            self.counts[-1] += 1
+        else:
+            return False
+        return True
+
+    @property
+    def alternatives(self) -> int:
+        return max(self.widest, *self.counts)
 
 
 def _check_regex(regex: str, field: str, limits: StructuredOutputsConfig) -> None:
-    depth, alternatives = _regex_shape(regex)
-    _check_depth(depth, field, limits)
-    _check_alternatives(alternatives, field, limits)
+    groups = _Groups()
+    for match in _REGEX_TOKENS.finditer(regex):
+        groups.take(match.group())
+    _check_depth(groups.deepest, field, limits)
+    _check_alternatives(groups.alternatives, field, limits)
 
 
 # A definition starts a line: `name:`, `?name:`, `!name:`, `name.2:`, `NAME:`; GBNF's `name ::=`.
@@ -260,27 +273,19 @@ def _check_lark(grammar: str, field: str, limits: StructuredOutputsConfig) -> No
     def walk(name: str) -> tuple[int, list[tuple[int, str]]]:
         deepest, refs = 0, []
         for begin, end in bodies[name]:
-            depth, counts, skip_to = 0, [1], begin
+            groups, skip_to = _Groups(), begin
             for match in _LARK_TOKENS.finditer(grammar, begin, end):
                 token = match.group()
-                if match.start() < skip_to:
+                if match.start() < skip_to or groups.take(token):
                     continue
                 if token == "%json":
                     skip_to = _check_inline_schema(grammar, match.end(), field, limits)
-                elif token == "(":
-                    depth += 1
-                    deepest = max(deepest, depth)
-                    counts.append(1)
-                elif token == ")" and len(counts) > 1:
-                    depth -= 1
-                    _check_alternatives(counts.pop(), field, limits)
-                elif token == "|":
-                    counts[-1] += 1
                 elif token.startswith("/"):
                     _check_regex(token, field, limits)
                 elif token in bodies and token != name:
-                    refs.append((depth + 1, token))
-            _check_alternatives(max(counts), field, limits)
+                    refs.append((groups.depth + 1, token))
+            _check_alternatives(groups.alternatives, field, limits)
+            deepest = max(deepest, groups.deepest)
         _check_depth(deepest, field, limits)
         return deepest, refs
 
