@@ -166,10 +166,11 @@ def test_preemption_while_guessing_changes_no_output(llm: LLM) -> None:
         speculative_config={**SPEC, "disable_by_batch_size": 16},
     )
     try:
-        message = [
-            {"role": "user", "content": f"{CODE[:900]}\n\nRewrite this file, renaming BlockPool to Pool."}
-        ]
         tokenizer = engine.get_tokenizer()
+        # the code's first 219 tokens, a prompt of ~265 whatever the file says today: two fit the pool
+        # at once, and their growth preempts one (a longer prompt would admit only one at a time)
+        code = tokenizer.decode(tokenizer.encode(CODE, add_special_tokens=False)[:219])
+        message = [{"role": "user", "content": f"{code}\n\nRewrite this file, renaming BlockPool to Pool."}]
         # tokenize=False: the prompt's text
         prompt = cast(str, tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=True))
         prompts = [prompt] * 3
