@@ -5,8 +5,12 @@ imports nothing but the standard library and the peer.
     echo '{"peer": "llama-cpp", "model": "m.gguf", "prompts": [[1, 2]], "output_len": 8, "threads": 2}' \\
         | PEER_VENV/bin/python benchmarks/peer_runner.py
 
-stdin: {"peer": "llama-cpp" | "vllm", "model", "prompts": [[token ids]], "output_len", "threads", "dtype"}.
+stdin: {"peer": "llama-cpp" | "vllm" | "llmserve", "model", "prompts": [[token ids]], "output_len",
+"threads", "dtype"}, and for llmserve its "engine_args" (keyword arguments of its `LLM`).
 stdout: a last line `PEER_RESULT {"elapsed": seconds, "output_tokens": n}` (the peers log to stdout too).
+With "cold": the time.time() the process was launched, vLLM and llmserve run the batch right after
+their constructor, with no warm-up request, and the result adds "startup" (the constructor's seconds)
+and "since_launch" (seconds from the launch to the last token): what a user of a fresh process waits.
 For sentence-transformers (the embeddings benchmark): {"peer": "sentence-transformers", "model" (its
 folder), "sentences": [str], "batch_size", "threads"} → `PEER_RESULT {"elapsed": seconds, "sentences": n}`.
 """
@@ -17,6 +21,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 RESULT_MARK = "PEER_RESULT "
@@ -61,6 +66,7 @@ def run_vllm(job: dict[str, Any]) -> dict[str, float]:
     from vllm import LLM, SamplingParams
 
     prompts: list[list[int]] = job["prompts"]
+    started = time.perf_counter()
     llm = LLM(
         model=job["model"],
         skip_tokenizer_init=True,
@@ -69,13 +75,55 @@ def run_vllm(job: dict[str, Any]) -> dict[str, float]:
         max_model_len=max(len(p) for p in prompts) + job["output_len"] + 16,
         max_num_seqs=len(prompts),
     )
+    startup = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=job["output_len"], ignore_eos=True, detokenize=False)
     warmup = SamplingParams(max_tokens=2, detokenize=False)
-    llm.generate([{"prompt_token_ids": prompts[0][:8]}], warmup, use_tqdm=False)
+    return _batch(
+        job,
+        startup,
+        lambda: llm.generate([{"prompt_token_ids": prompts[0][:8]}], warmup, use_tqdm=False),
+        lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False),
+    )
+
+
+def run_llmserve(job: dict[str, Any]) -> dict[str, float]:
+    """Our own `LLM.generate`, in a process of its own like the peers: for the cold figures."""
+    from llmserve import LLM, SamplingParams
+    from llmserve.engine.input_processor import TokensPrompt
+
+    prompts: list[list[int]] = job["prompts"]
+    started = time.perf_counter()
+    llm = LLM(model=job["model"], seed=0, max_num_seqs=len(prompts), **job.get("engine_args", {}))
+    startup = time.perf_counter() - started
+    params = SamplingParams(temperature=0.0, max_tokens=job["output_len"], ignore_eos=True)
+    warmup = SamplingParams(max_tokens=2)
+    try:
+        return _batch(
+            job,
+            startup,
+            lambda: llm.generate(TokensPrompt(prompt_token_ids=prompts[0][:8]), warmup, use_tqdm=False),
+            lambda: llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False),
+        )
+    finally:
+        llm.shutdown()
+
+
+def _batch(
+    job: dict[str, Any], startup: float, warm_up: Callable[[], Any], generate: Callable[[], list[Any]]
+) -> dict[str, float]:
+    """Times `generate` (after `warm_up`, unless the job is cold) and counts the tokens it returns."""
+    if not job.get("cold"):
+        warm_up()
     start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return {"elapsed": elapsed, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs)}
+    outputs = generate()
+    result = {
+        "elapsed": time.perf_counter() - start,
+        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+        "startup": startup,
+    }
+    if job.get("cold"):
+        result["since_launch"] = time.time() - job["cold"]
+    return result
 
 
 def run_sentence_transformers(job: dict[str, Any]) -> dict[str, float]:
@@ -95,7 +143,12 @@ def run_sentence_transformers(job: dict[str, Any]) -> dict[str, float]:
     return {"elapsed": time.perf_counter() - start, "sentences": float(len(vectors))}
 
 
-RUNNERS = {"llama-cpp": run_llama_cpp, "vllm": run_vllm, "sentence-transformers": run_sentence_transformers}
+RUNNERS = {
+    "llama-cpp": run_llama_cpp,
+    "vllm": run_vllm,
+    "llmserve": run_llmserve,
+    "sentence-transformers": run_sentence_transformers,
+}
 
 
 def main() -> None:

@@ -23,6 +23,11 @@ ratio to each peer. Prompts are random common words, about one token each. llama
 runs one request at a time (its API holds a lock), so its TTFT grows with the queue; that is its
 behaviour under this load, not a fault here. llama-server gets as many slots as the largest
 concurrency, batched continuously, so it never queues a stream.
+
+Every level above is timed after a warm-up request. Before them (unless --no-cold), each server gets
+the largest level once more, with prompts of another seed, sent the moment it answers: no warm-up. That
+first load reports the server's start-up (launch to answering), its rates, and the seconds from
+launching the server to the load's last token: what a user who starts a server and sends work waits.
 """
 
 from __future__ import annotations
@@ -89,6 +94,8 @@ class Report:
     output_tokens_per_s: float
     requests_per_s: float
     memory_gib: dict[str, float] = field(default_factory=dict)  # of our server's processes, after the load
+    startup_s: float | None = None  # a fresh server's first load: launch to answering,
+    launch_to_last_s: float | None = None  # and launch to the load's last token
 
     @classmethod
     def of(cls, name: str, results: list[RequestResult], duration: float) -> Report:
@@ -114,6 +121,8 @@ class Report:
             "output tokens/s": self.output_tokens_per_s,
             "requests/s": self.requests_per_s,
             **{f"{kind} (GiB)": gib for kind, gib in self.memory_gib.items()},
+            **({} if self.startup_s is None else {"start-up (s)": self.startup_s}),
+            **({} if self.launch_to_last_s is None else {"launch to last (s)": self.launch_to_last_s}),
         }
 
 
@@ -164,7 +173,9 @@ async def stream_one(
     return result
 
 
-async def run_workload(name: str, base_url: str, model: str, workload: Workload) -> Report:
+async def run_workload(
+    name: str, base_url: str, model: str, workload: Workload, warm_up: bool = True
+) -> Report:
     limit = asyncio.Semaphore(workload.concurrency)
     # A connection per request: llama-server drops a reused keep-alive connection now and then (about 1
     # request in 14 back to back, "Server disconnected without sending a response"); a local connect
@@ -176,7 +187,8 @@ async def run_workload(name: str, base_url: str, model: str, workload: Workload)
             async with limit:
                 return await stream_one(http, base_url, model, prompt, workload.output_len)
 
-        await stream_one(http, base_url, model, "Warm up.", 2)
+        if warm_up:
+            await stream_one(http, base_url, model, "Warm up.", 2)
         start = time.perf_counter()
         results = await asyncio.gather(*(limited(p) for p in workload.prompts()))
         duration = time.perf_counter() - start
@@ -200,14 +212,24 @@ def serve(
     levels: list[Workload],
     ready: str = "/v1/models",
     measure_memory: bool = False,
+    cold: Workload | None = None,
 ) -> list[Report]:
-    """Start a server, run every level against it (then read its memory, where asked), stop it."""
+    """Start a server, run `cold` the moment it answers (its report first, with its start-up), then every
+    level (then read its memory, where asked), and stop it."""
+    launched = time.perf_counter()
     with running(name, command, port, ready) as url:
-        reports = run_levels(name, url, discover_model(url), levels)
+        model = discover_model(url)
+        first = []
+        if cold is not None:
+            startup = time.perf_counter() - launched
+            report = asyncio.run(run_workload(name, url, model, cold, warm_up=False))
+            launch_to_last = time.perf_counter() - launched
+            first = [dataclasses.replace(report, startup_s=startup, launch_to_last_s=launch_to_last)]
+        reports = run_levels(name, url, model, levels)
         if measure_memory:
             memory = tree_memory(port)
             reports = [dataclasses.replace(r, memory_gib=memory) for r in reports]
-        return reports
+        return first + reports
 
 
 def tree_memory(port: int) -> dict[str, float]:
@@ -220,9 +242,11 @@ def tree_memory(port: int) -> dict[str, float]:
     }
 
 
-def ours(args: argparse.Namespace, levels: list[Workload]) -> tuple[str, list[list[Report]]]:
-    """Against --base-url if given, else against a server we start and stop (one per data-parallel size
-    asked for). Returns the model too."""
+def ours(
+    args: argparse.Namespace, levels: list[Workload], cold: Workload | None
+) -> tuple[str, list[list[Report]]]:
+    """Against --base-url if given (nothing cold to time), else against a server we start and stop (one
+    per data-parallel size asked for). Returns the model too."""
     if args.base_url:
         url = args.base_url.rstrip("/")
         model = args.model or discover_model(url)
@@ -237,11 +261,13 @@ def ours(args: argparse.Namespace, levels: list[Workload]) -> tuple[str, list[li
             threads = max(1, engine_threads() // size)
             command += ["--data-parallel-size", str(size), "--num-threads", str(threads)]
             name = f"llmserve DP={size}x{threads}t"
-        runs.append(serve(name, command, port, levels, measure_memory=True))
+        runs.append(serve(name, command, port, levels, measure_memory=True, cold=cold))
     return model, runs
 
 
-def peers(args: argparse.Namespace, model: str, levels: list[Workload]) -> list[list[Report]]:
+def peers(
+    args: argparse.Namespace, model: str, levels: list[Workload], cold: Workload | None
+) -> list[list[Report]]:
     """The llama.cpp servers asked for, one after another, on the served model's GGUF; one that cannot
     run is skipped with the reason."""
     if not (args.compare_llama_cpp or args.llama_server):
@@ -260,11 +286,11 @@ def peers(args: argparse.Namespace, model: str, levels: list[Workload]) -> list[
         else:
             port = free_port()
             command = llama_cpp_command(python, gguf, port, context, threads)
-            reports.append(serve("llama-cpp", command, port, levels))
+            reports.append(serve("llama-cpp", command, port, levels, cold=cold))
     if args.llama_server:
         port, slots = free_port(), max(args.concurrency)
         command = llama_server_command(args.llama_server, gguf, port, slots, context, threads)
-        reports.append(serve("llama-server", command, port, levels, ready="/health"))
+        reports.append(serve("llama-server", command, port, levels, ready="/health", cold=cold))
     return reports
 
 
@@ -306,6 +332,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--data-parallel-size", type=int, nargs="+", default=None, help="ranks of our servers, first compared"
     )
+    parser.add_argument("--no-cold", action="store_true", help="skip each server's first load, unwarmed")
     add_json_arg(parser)
     return parser.parse_args()
 
@@ -318,15 +345,25 @@ def main() -> None:
         Workload(args.num_prompts or c * args.requests_per_stream, c, args.input_len, args.output_len, seed)
         for seed, c in enumerate(args.concurrency, start=args.seed)
     ]
-    model, mine = ours(args, levels)
-    theirs = peers(args, model, levels)
+    # The largest level again, with prompts of a seed no level has, as each started server's first load.
+    largest = max(levels, key=lambda w: w.concurrency)
+    cold = None if args.no_cold or args.base_url else dataclasses.replace(largest, seed=largest.seed + 1000)
+    model, mine = ours(args, levels, cold)
+    theirs = peers(args, model, levels, cold)
+    results: dict[str, object] = {"model": model}
+    if cold is not None:
+        firsts = [server[0] for server in [*mine, *theirs]]
+        mine, theirs = [server[1:] for server in mine], [server[1:] for server in theirs]
+        print(f"\nfrom a fresh server, no warm-up request: {cold}")
+        print_reports(firsts)
+        results["cold"] = {"workload": asdict(cold), "reports": [asdict(r) for r in firsts]}
     rows = []
     for i, workload in enumerate(levels):
         reports = [*(server[i] for server in mine), *(peer[i] for peer in theirs)]
         print(f"\n{workload}")
         print_reports(reports)
         rows.append({"workload": asdict(workload), "reports": [asdict(r) for r in reports]})
-    write_results(args.json, "benchmarks.serving", {"model": model, "levels": rows}, load)
+    write_results(args.json, "benchmarks.serving", {**results, "levels": rows}, load)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,13 @@ Every engine is timed from a resident KV pool: vLLM's constructor returns once i
 ours right after start-up, faulting the pool in while idle (model_executor/host_memory.py), so ours waits
 until its resident memory settles. Timed at once instead, our engine faults in the pages the run writes
 (64 SmolLM2 prompts, `--quantization gguf`: ~300,000 faults, 1.2 GiB) and ran ~10% slower (Zen 5 VM,
-four runs each way in turn: medians 469 and 521 output tok/s). Neither engine's start-up is timed.
+four runs each way in turn: medians 469 and 521 output tok/s). Those warm figures time no start-up.
+
+So a user's first minute is measured too (unless --no-cold): llmserve and vLLM each run the first
+workload again in a fresh process, right after their constructor, with no warm-up request. Each reports
+its start-up (the constructor), the rate of that first batch, and the seconds from launching the
+process to the last token: what `llmserve generate` or a short script waits for. Our first batch's rate
+is also given as a share of the warm rate of the same workload.
 """
 
 from __future__ import annotations
@@ -232,6 +238,56 @@ def run_vllm(args: argparse.Namespace, works: list[Workload]) -> list[float] | s
 PEERS: dict[str, Runner] = {"hf": run_hf, "llama-cpp": run_llama_cpp, "vllm": run_vllm}
 
 
+def run_cold(args: argparse.Namespace, work: Workload) -> dict[str, dict[str, float] | str]:
+    """The workload in a fresh process per engine, timed from its launch (see the module's docstring)."""
+    ours = {
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "block_size": args.block_size,
+    }
+    jobs: dict[str, tuple[str | None, dict[str, object]]] = {
+        "llmserve": (sys.executable, {"peer": "llmserve", "model": args.model, "engine_args": ours})
+    }
+    if "vllm" in args.peers:
+        source = resolve_model(args.model)
+        model = args.vllm_model or str(source.path if source.format == "hf" else hf_folder_of(source.path))
+        dtype = "float32" if args.dtype == "auto" else args.dtype
+        vllm_job: dict[str, object] = {"peer": "vllm", "model": model, "dtype": dtype}
+        jobs["vllm"] = (interpreter_with("vllm", args.vllm_python), vllm_job)
+    results: dict[str, dict[str, float] | str] = {}
+    for name, (python, job) in jobs.items():
+        if python is None:
+            results[name] = "not installed"
+            continue
+        job.update(prompts=work.prompts, output_len=work.output_len, threads=engine_threads())
+        try:
+            results[name] = run_peer(python, {**job, "cold": time.time()})
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            results[name] = f"failed (its output is above): {str(e).splitlines()[0]}"
+    return results
+
+
+def report_cold(work: Workload, warm_seconds: float, cold: dict[str, dict[str, float] | str]) -> None:
+    print(f"\nfrom a fresh process, {len(work.prompts)} prompts, no warm-up request:")
+    print(f"  {'':>10} {'start-up s':>11} {'first batch tok/s':>18} {'launch to last token s':>23}")
+    for name, result in cold.items():
+        if isinstance(result, str):
+            print(f"  {name:>10}: skipped: {result}")
+            continue
+        rate = work.output_tokens / result["elapsed"]
+        line = f"  {name:>10} {result['startup']:11.1f} {rate:18.1f} {result['since_launch']:23.1f}"
+        if name == "llmserve":
+            line += f"   ({warm_seconds / result['elapsed']:.0%} of the warm rate)"
+        print(line)
+    theirs = cold.get("vllm")
+    ours = cold["llmserve"]
+    if isinstance(theirs, dict) and isinstance(ours, dict):
+        ratio = ours["since_launch"] / theirs["since_launch"]
+        print(f"  launch to last token, llmserve/vllm: {ratio:.2f}x the time")
+
+
 BATCHED_LINE = "  {:>9} {:>28} {:>9} {:>12} {:>10} {:>8}"  # sequences, who, S, output, S_TG, seconds
 
 
@@ -310,6 +366,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--llama-batched-bench", type=executable, default=None, help="llama.cpp's binary")
     parser.add_argument("--batched-bench-levels", type=int, nargs="+", default=[1, 64], help="sequences")
     parser.add_argument("--batched-bench-input", type=int, default=128, help="prompt tokens per sequence")
+    parser.add_argument(
+        "--no-cold", action="store_true", help="skip the runs from a fresh process (the first workload)"
+    )
     add_json_arg(parser)
     return parser.parse_args()
 
@@ -361,6 +420,10 @@ def main() -> None:
         "output_len": args.output_len,
         "workloads": rows,
     }
+    if not args.no_cold:
+        cold = run_cold(args, works[0])
+        report_cold(works[0], mine[0].seconds, cold)
+        results["cold"] = {"num_prompts": len(works[0].prompts), "warm_seconds": mine[0].seconds, **cold}
     if gguf:
         theirs = run_batched_bench(
             args.llama_batched_bench,

@@ -14,9 +14,10 @@ from llmserve.model_executor.loader.sentence_transformers import load_pooler_con
 from llmserve.model_executor.model_runner import ModelRunner
 from llmserve.model_executor.models.bert import BertConfig
 from llmserve.model_executor.models.registry import resolve_runner
+from llmserve.sampling_params import SamplingParams
 from llmserve.scheduling.kv_cache_manager import KVCacheManager, cdiv
 from llmserve.scheduling.request import Request, RequestStatus
-from llmserve.scheduling.scheduler import Scheduler
+from llmserve.scheduling.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from llmserve.spec_decode.speculator import Speculator
 from llmserve.structured_output.manager import StructuredOutputManager
 
@@ -31,6 +32,7 @@ class EngineCore:
     """Owns the scheduler, the KV cache manager and the model runner."""
 
     def __init__(self, config: EngineConfig) -> None:
+        started = time.perf_counter()
         source = resolve_model(config.model_config.model)
         arch_config = load_model_config(source)
         runner = resolve_runner(config.model_config.runner, arch_config.architecture)
@@ -69,6 +71,9 @@ class EngineCore:
             block_size,
             config.cache_config.enable_prefix_caching and not whole_prompts,
             sliding_window=arch_config.cache_window,
+            resident_blocks=(
+                self.model_runner.kv_resident_blocks if isinstance(self.model_runner, ModelRunner) else None
+            ),
         )
         speculative = config.speculative_config
         if speculative is not None and runner == "pooling":
@@ -85,6 +90,47 @@ class EngineCore:
         self.structured_output_manager = StructuredOutputManager(
             source, self.limits.vocab_size, config.scheduler_config.max_num_seqs
         )
+        self._config, self._started = config, started
+
+    def warm_up(self) -> None:
+        """One step at the configured batch shape before the first request (a generating model's):
+        `max_num_seqs` sequences of one token (and as many guesses as speculation makes), each in
+        blocks of its own, given back to the pool after. The step's temporaries (activations, logits,
+        the sampler's) stay in the heap, resident for the requests' steps, where the process keeps what
+        it frees (`heap_reuse.py`: call this after it), and every kernel of a decode step has run once.
+        """
+        runner, pool, config = self.model_runner, self.kv_cache_manager.block_pool, self._config
+        if self.limits.runner != "generate":
+            return
+        assert isinstance(runner, ModelRunner)
+        speculative = config.speculative_config
+        guesses = [0] * (0 if speculative is None else speculative.num_speculative_tokens)
+        per_seq = cdiv(1 + len(guesses), self.limits.block_size)
+        num_seqs = min(config.scheduler_config.max_num_seqs, pool.num_free_blocks // per_seq)
+        started = time.perf_counter()
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        blocks = pool.get_new_blocks(num_seqs * per_seq)
+        scheduled = [
+            ScheduledRequest(
+                Request(f"warm-up-{i}", [0], params, None, 0.0, self.limits.max_model_len),
+                1 + len(guesses),
+                [b.block_id for b in blocks[i * per_seq : (i + 1) * per_seq]],
+                samples=True,
+                spec_token_ids=list(guesses),
+            )
+            for i in range(num_seqs)
+        ]
+        runner.execute_model(SchedulerOutput(scheduled))
+        pool.free_blocks(blocks)
+        now = time.perf_counter()
+        logger.info(
+            "Warm-up: a step of %d sequences (%d rows) in %.2f s; its temporaries stay resident. "
+            "Engine core ready %.1f s after it started.",
+            num_seqs,
+            num_seqs * (1 + len(guesses)),
+            now - started,
+            now - self._started,
+        )
 
     def _kv_pool(self, config: EngineConfig, model_max: int) -> tuple[int, int, int]:
         """A decoder's KV pool, sized from `kv_cache_memory`: its blocks, its bytes, and max_model_len
@@ -93,6 +139,7 @@ class EngineCore:
         assert isinstance(runner, ModelRunner)
         block_size = config.cache_config.block_size
         budget = kv_cache_budget(runner.device, config.cache_config.kv_cache_memory)
+        scheduler = config.scheduler_config
         block_bytes = runner.kv_cache_bytes_per_block(block_size)
         num_blocks = budget // block_bytes
         if num_blocks < 1:
@@ -100,7 +147,9 @@ class EngineCore:
                 f"kv_cache_memory ({budget} bytes) is too small for one KV block of {block_size} tokens."
             )
         max_model_len = _max_model_len(config.model_config.max_model_len, model_max, num_blocks * block_size)
-        runner.initialize_kv_cache(num_blocks, block_size, max_model_len)
+        # resident before the first request: what a step at the token budget with every sequence can take
+        first_step = cdiv(scheduler.max_num_batched_tokens, block_size) + scheduler.max_num_seqs
+        runner.initialize_kv_cache(num_blocks, block_size, max_model_len, first_step)
         return num_blocks, num_blocks * block_bytes, max_model_len
 
     def add_request(self, request: EngineCoreRequest) -> None:

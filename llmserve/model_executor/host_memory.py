@@ -1,22 +1,17 @@
-"""Host memory for the KV cache the CPU kernels read: made resident in the background at start-up.
+"""Host memory for the KV cache the CPU kernels read: made resident at start-up, in the order the block
+pool hands blocks out.
 
 Left to fault in as requests first write it, the pool would grow the process for thousands of
-requests, until every block had served once (prefix caching hands out the least recently used block,
-so all of them come round): resident memory would climb under load, and a pool the machine cannot
-hold would fail mid-serving instead of at start-up. So the whole pool is faulted in when it is
-allocated, as vLLM's is, and the memory the start-up log announces is the memory the process holds.
-On a thread of its own, which start-up does not wait for: first touch cost 0.35-1.75 s per GiB on a
-Zen 4 VM, and 6-7 s per GiB on another whose host backs each fresh page as the guest clears it (24-29
-s for the default 4 GiB pool, in the kernel's clear_page). The thread is in the idle scheduling class
-and faults in 256 KiB at a time. On that VM's 2 cores, with nice 19 and 2 MiB at a time, 64 SmolLM2
-requests sent right after start-up ran at 111-126 output tok/s; now at 150-162 (160 with no
-populating at all); each change alone gave part of that (nice 19 with 256 KiB: 131, 154; the idle
-class with 2 MiB: 140, 149). Pages the engine writes before the thread reaches them fault in as they
-are written, as they would with no thread.
-
-In plain 4 KiB pages: on that VM, faulting in transparent huge pages took 6x as long, and 64 sequences
-decoded 8% slower from them (they had measured ~8% faster attention, one part of a step, on a Zen 3
-machine).
+requests, until every block had served once: resident memory would climb under load, and a pool the
+machine cannot hold would fail mid-serving instead of at start-up. So the whole pool is faulted in when
+it is allocated, as vLLM's is, and the memory the start-up log announces is the memory the process
+holds. First touch is slow on some VMs (the host backs each fresh page as the guest clears it: seconds
+per GiB), so start-up waits only for the blocks the first steps take (`populate` of a range); a thread
+in the idle scheduling class faults in the rest, 256 KiB at a time, a run of blocks after another, and
+tells the block pool how far it got, which hands out resident blocks first (`BlockPool`). Pages the
+engine writes before the thread reaches them fault in as they are written, as they would with no
+thread. In plain 4 KiB pages: on such a VM transparent huge pages took several times as long to fault
+in, and 64 sequences decoded slower from them.
 """
 
 from __future__ import annotations
@@ -28,6 +23,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -48,24 +44,38 @@ def empty_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(memory, dtype=dtype).view(shape)
 
 
-def populate(tensors: list[torch.Tensor]) -> bool:
-    """Faults in every page of the CPU tensors, keeping their contents. Returns False where the kernel
-    cannot (before Linux 5.14): their pages then come as they are first written. Stops early once the
-    main thread has ended, since the process is exiting."""
+def populate(
+    tensors: list[torch.Tensor], blocks: range, on_resident: Callable[[int], None] | None = None
+) -> bool:
+    """Faults in the pages of `blocks` of the CPU tensors, keeping their contents, a run of blocks at a
+    time, in order.
+
+    Each tensor is laid out [outer, blocks, ...] (the KV pool's head-major layout), all with the same
+    number of blocks. Blocks [blocks.start, b) of every tensor are resident before `on_resident(b)` is
+    called: in the order the block pool hands them out, so the first requests write to pages that are
+    there. Returns False where the kernel cannot (before Linux 5.14): pages then come as they are first
+    written. Stops early once the main thread has ended, since the process is exiting."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = mmap.PAGESIZE
-    for t in tensors:
-        start = t.data_ptr() // page * page  # a small tensor's memory comes from malloc, not page-aligned
-        end = t.data_ptr() + t.numel() * t.element_size()
-        # A foreign call releases the GIL: the engine goes on while the kernel faults pages in. A chunk
-        # at a time, since the kernel holds the process's memory map meanwhile, which the engine's own
-        # mappings (every large tensor it allocates) wait for.
-        for chunk in range(start, end, _CHUNK):
-            if not threading.main_thread().is_alive():
-                return True
-            if libc.madvise(chunk, min(_CHUNK, end - chunk), _MADV_POPULATE_WRITE) != 0:
-                return False
+    block_bytes = [t[0, 0].numel() * t.element_size() for t in tensors]
+    step = max(1, _CHUNK // max(block_bytes))
+    for first in range(blocks.start, blocks.stop, step):
+        last = min(first + step, blocks.stop)
+        for t, nbytes in zip(tensors, block_bytes):
+            for row in range(t.shape[0]):
+                start = t.data_ptr() + row * t.stride(0) * t.element_size() + first * nbytes
+                end = start + (last - first) * nbytes
+                start = start // page * page  # a block may start mid-page; a small tensor comes from malloc
+                # A foreign call releases the GIL: the engine goes on while the kernel faults pages in.
+                # A chunk at a time, since the kernel holds the process's memory map meanwhile, which the
+                # engine's own mappings (every large tensor it allocates) wait for.
+                if not threading.main_thread().is_alive():
+                    return True
+                if libc.madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
+                    return False
+        if on_resident is not None:
+            on_resident(last)
     return True
 
 
@@ -80,7 +90,9 @@ def run_only_when_idle() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
-def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread:
+def populate_in_background(
+    tensors: list[torch.Tensor], blocks: range, on_resident: Callable[[int], None] | None = None
+) -> threading.Thread:
     """`populate` on a thread that runs almost only when a core is idle; logs how long it took.
 
     Not a daemon: one that drops the last reference to the pool while the interpreter finalizes aborts
@@ -91,9 +103,11 @@ def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread:
     def run() -> None:
         run_only_when_idle()
         start = time.perf_counter()
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        if not populate(tensors):
+        nbytes = sum(t.numel() * t.element_size() for t in tensors) * len(blocks) // tensors[0].shape[1]
+        if not populate(tensors, blocks, on_resident):
             logger.info("KV cache pages come as they are first written (no MADV_POPULATE_WRITE here).")
+            if on_resident is not None:  # as good as resident: no block is better to hand out than another
+                on_resident(blocks.stop)
         elif threading.main_thread().is_alive():  # else cut short: the process is exiting
             logger.info("KV cache resident: %.2f GiB in %.1f s.", nbytes / 2**30, time.perf_counter() - start)
 

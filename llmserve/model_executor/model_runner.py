@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 import weakref
 
 import torch
@@ -14,7 +15,7 @@ from llmserve.model_executor.attention import AttentionMetadata, PrefillChunk
 from llmserve.model_executor.cpu_threads import configure_core_threads
 from llmserve.model_executor.device import resolve_device, resolve_dtype
 from llmserve.model_executor.execution_plan import ExecutionPlan
-from llmserve.model_executor.host_memory import empty_pool, populate_in_background
+from llmserve.model_executor.host_memory import empty_pool, populate, populate_in_background
 from llmserve.model_executor.input_buffers import InputBuffers
 from llmserve.model_executor.kernels import native
 from llmserve.model_executor.loader import ModelSource, iter_weights
@@ -86,6 +87,7 @@ class ModelRunner:
         self.model = model.eval()
         self.kv_caches: list[KVCache] = []
         self.block_size = 0
+        self.resident_blocks = 0
         self.inputs = InputBuffers()
         self._generators: dict[str, torch.Generator] = {}
         self.logits_cache: CompiledCache = weakref.WeakKeyDictionary()  # an entry dies with its request
@@ -101,8 +103,11 @@ class ModelRunner:
         per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
         return per_token * block_size * self.kv_cache_dtype.itemsize
 
-    def initialize_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
-        """The KV pool, and the RoPE tables for the positions a sequence can reach."""
+    def initialize_kv_cache(
+        self, num_blocks: int, block_size: int, max_model_len: int, resident_first: int
+    ) -> None:
+        """The KV pool, and the RoPE tables for the positions a sequence can reach. The first
+        `resident_first` blocks are resident when this returns, the rest soon after (host_memory.py)."""
         for rotary in self.model.rotary_embeddings():
             rotary.compute_tables(max_model_len)
         c = self.config
@@ -118,8 +123,29 @@ class ModelRunner:
             return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
 
         self.kv_caches = [(allocate(), allocate()) for _ in range(c.num_hidden_layers)]
+        self.resident_blocks = num_blocks
         if self.native:
-            populate_in_background([t for pair in self.kv_caches for t in pair])
+            tensors = [t for pair in self.kv_caches for t in pair]
+            started, head = time.perf_counter(), min(resident_first, num_blocks)
+            if populate(tensors, range(head)):
+                self.resident_blocks = head
+                logger.info(
+                    "The first %d KV blocks made resident in %.2f s; the rest come in the background.",
+                    head,
+                    time.perf_counter() - started,
+                )
+                populate_in_background(tensors, range(head, num_blocks), self._blocks_resident)
+            else:
+                logger.info("KV cache pages come as they are first written (no MADV_POPULATE_WRITE here).")
+
+    def _blocks_resident(self, n: int) -> None:
+        """Called by the populate thread; the block pool reads `resident_blocks` (one int's store and
+        load: no lock)."""
+        self.resident_blocks = n
+
+    def kv_resident_blocks(self) -> int:
+        """How many KV blocks, from the first, have their memory resident (see `BlockPool`)."""
+        return self.resident_blocks
 
     @torch.inference_mode()
     def execute_model(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Callable
 
 from llmserve.scheduling.block_pool import BlockHash, BlockPool, KVCacheBlock
 from llmserve.scheduling.request import Request
@@ -55,13 +56,16 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         sliding_window: int | None = None,
+        resident_blocks: Callable[[], int] | None = None,
     ) -> None:
+        """`resident_blocks`: how many blocks, from the first, have their memory resident (all if None;
+        see `BlockPool`)."""
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1, got {sliding_window}.")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
-        self.block_pool = BlockPool(num_blocks)
+        self.block_pool = BlockPool(num_blocks, resident_blocks)
         self._placeholder = KVCacheBlock(PLACEHOLDER_BLOCK_ID)
         self._blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_skipped: dict[str, int] = {}  # leading placeholders in _blocks

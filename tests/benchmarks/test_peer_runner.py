@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import time
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -56,3 +57,24 @@ def test_a_failing_peer_process_raises_with_its_output() -> None:
 
     with pytest.raises(RuntimeError, match="llama-cpp runner failed"):
         run_peer(sys.executable, {"peer": "llama-cpp", **JOB, "model": "/nonexistent.gguf"})
+
+
+def test_a_cold_job_runs_no_warm_up_and_times_from_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ "cold" carries the launch's time.time(): the result adds the constructor's seconds and the
+    seconds from the launch to the last token, and the batch is the first thing generated."""
+    calls: list[int] = []
+
+    class Counting(FakeVLLM):
+        def generate(self, prompts: list[dict[str, list[int]]], params: Any, use_tqdm: bool) -> list[Any]:
+            calls.append(len(prompts))
+            return super().generate(prompts, params, use_tqdm)
+
+    params = type("SamplingParams", (), {"__init__": lambda self, **kw: setattr(self, "kwargs", kw)})
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=Counting, SamplingParams=params))
+    launched = time.time() - 5.0
+    result = peer_runner.run_vllm({"peer": "vllm", **JOB, "cold": launched})
+    assert calls == [2] and result["output_tokens"] == 8
+    assert result["since_launch"] >= 5.0 and result["startup"] >= 0
+    calls.clear()
+    warm = peer_runner.run_vllm({"peer": "vllm", **JOB})
+    assert calls == [1, 2] and "since_launch" not in warm
