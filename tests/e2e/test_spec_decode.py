@@ -16,7 +16,8 @@ from llmserve.sampling_params import StructuredOutputsParams
 from tests.e2e.conftest import PROMPTS
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
-CODE = (Path(__file__).parents[2] / "llmserve/scheduling/block_pool.py").read_text()[:1800]
+# Code to repeat: a copy of an early block_pool.py, frozen so that editing the engine changes no prompt
+CODE = (Path(__file__).parent / "rewrite_source.txt").read_text()
 PASSAGE = (
     "The harbour town kept its lighthouse lit every night for two hundred years. In 1911 a storm broke "
     "the lantern glass, and the keeper, Ada Marsh, kept a lamp burning in the window until the new glass "
@@ -167,7 +168,7 @@ def test_preemption_while_guessing_changes_no_output(llm: LLM) -> None:
     )
     try:
         tokenizer = engine.get_tokenizer()
-        # the code's first 219 tokens, a prompt of ~265 whatever the file says today: two fit the pool
+        # the code's first 219 tokens, a prompt of ~265: two fit the pool
         # at once, and their growth preempts one (a longer prompt would admit only one at a time)
         code = tokenizer.decode(tokenizer.encode(CODE, add_special_tokens=False)[:219])
         message = [{"role": "user", "content": f"{code}\n\nRewrite this file, renaming BlockPool to Pool."}]
