@@ -83,12 +83,12 @@ def test_real_blocks_dequantize_as_gguf_does_bit_for_bit(isa: str, model: str, n
 
 
 @real_tensor_per_type
-@pytest.mark.parametrize("rows", [1, 3, 6, 8, 9, 64, 300])
+@pytest.mark.parametrize("rows", [1, 3, 6, 16, 17, 64, 300])
 def test_product_of_real_blocks_equals_fp64_of_gguf_values(
     isa: str, model: str, name: str, qtype: Q, rows: int
 ) -> None:
-    """1 to 300 rows take weight_gemm.c's two ways (up to 8 rows from registers, past 4 in two passes;
-    more in tiles)."""
+    """1 to 300 rows take weight_gemm.c's ways (up to 4 rows from registers, up to 16 from weights widened
+    as they are read, more in tiles)."""
     weight = real_stored_tensor(model, name, qtype)
     native_weight, keep = one_part(weight.data.numpy(), qtype)
     x = torch.randn(rows, weight.in_features, generator=torch.Generator().manual_seed(rows))
@@ -169,17 +169,18 @@ def test_a_rows_result_does_not_depend_on_its_batch(isa: str, qtype: Q, in_featu
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("in_features", WIDTHS)
 def test_a_sequences_speculated_rows_match_the_other_paths(isa: str, qtype: Q, in_features: int) -> None:
-    """A sequence's row with 4 to 7 speculated tokens (5 to 8 rows: two register passes over each slice of
-    a group's blocks) gives, bit for bit, what it gives alone (one pass) and among 150 (tiles), on one
-    thread or all; 9 and 12 rows (tiles) too. Every type, one slice of the passes and several with a short
-    last one (8,448 = 8 x 1,024 + 256), 50 output features: a partial group of W's rows at the end."""
+    """A sequence's row with 4 to 15 speculated tokens (5 to 16 rows: each slice of a group's blocks
+    widened once as it is read, then tiles) gives, bit for bit, what it gives alone (from registers) and
+    among 150 (tiles of weights widened ahead), on one thread or all; 17 rows too. Every type, one slice
+    and several with a short last one (8,448 = 8 x 1,024 + 256), 50 output features: a partial group of
+    W's rows at the end."""
     raw = stored(qtype, 50, in_features, seed=in_features)
     weight, keep = one_part(raw, qtype)
     x = torch.randn(150, in_features, generator=torch.Generator().manual_seed(1))
     whole = native.weight_gemm(x, weight, 50)
     alone = torch.cat([native.weight_gemm(x[i : i + 1], weight, 50) for i in range(20)])
     assert torch.equal(alone, whole[:20])
-    for rows in (5, 6, 7, 8, 9, 12):
+    for rows in (5, 6, 7, 8, 9, 12, 16, 17):
         for at in (0, 3):
             assert torch.equal(native.weight_gemm(x[at : at + rows], weight, 50), whole[at : at + rows]), rows
         with torch_threads(1):

@@ -8,11 +8,12 @@
  * weight's stored bytes once, so a decode step streams 4.5-8.5 bits a weight, not 32; for many rows the
  * widening is amortised over MC rows.
  *
- * Up to FUSED_MAX rows (a decode step's, or a sequence's with its speculated tokens) take a shorter way
- * to the same sums: each 32 weights are widened in registers and multiplied there (dequant.h), never
- * stored and loaded back; past FUSED_ROWS rows, in two passes over each slice of a group's blocks while
- * it sits in L1. At one row the widening can bound a step before memory does: `python -m
- * benchmarks.latency` reports the share of the read bandwidth used.
+ * Up to FUSED_ROWS rows take a shorter way to the same sums: each 32 weights are widened in registers
+ * and multiplied there (dequant.h), never stored and loaded back. At one row the widening can bound a
+ * step before memory does: `python -m benchmarks.latency` reports the share of the read bandwidth used.
+ * Up to FUSED_MAX rows (a small batch's decode step, or a sequence with its speculated tokens) are read
+ * the same way, but each slice of a group's weights is widened once, into L1, for all of them, and
+ * multiplied from there in tiles.
  *
  * Every y[r, o] is the same computation whatever the batch: VL lanes of fused multiply-add chains over
  * all of k in order, summed in one fixed tree, then the tail of k past the vectors, then the bias. A
@@ -59,7 +60,8 @@ _Static_assert(KC % 256 == 0, "slices start on whole blocks and vectors");
 #define MC 64
 #endif
 #define GROUPS 4 /* groups of W's rows per pass over x's slices */
-#define FUSED_ROWS 4 /* rows of x a register pass multiplies */
+#define FUSED_ROWS 4 /* up to here the weights are multiplied from registers */
+#define FUSED_MAX 16 /* up to here a group's weights are widened as they are read, with its prefetch */
 
 typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 
@@ -192,32 +194,36 @@ INLINE void store_column(float *y, int64_t n, int rows, int64_t col, const float
     }
 }
 
+/* 32 widened weights as the build's vectors, cut from w's lanes in registers (a copy through memory made
+ * AVX2 builds store halves and reload them whole, stalling every load). */
+INLINE void cut32(const f32x16 w[2], vf b[32 / VL])
+{
+#if VL == 16
+    b[0] = w[0];
+    b[1] = w[1];
+#elif VL == 8
+    b[0] = __builtin_shufflevector(w[0], w[0], 0, 1, 2, 3, 4, 5, 6, 7);
+    b[1] = __builtin_shufflevector(w[0], w[0], 8, 9, 10, 11, 12, 13, 14, 15);
+    b[2] = __builtin_shufflevector(w[1], w[1], 0, 1, 2, 3, 4, 5, 6, 7);
+    b[3] = __builtin_shufflevector(w[1], w[1], 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    memcpy(b, w, 32 * sizeof(float));
+#endif
+}
+
 /* acc[r][j] += x[r][0:32] * w, lane by lane, for r < rows. */
 INLINE void multiply32(const f32x16 w[2], const float *x, int64_t ldx, int rows, vf acc[FUSED_ROWS][NB], int j)
 {
-    /* The build's vectors cut from w's lanes in registers (a copy through memory made AVX2 builds store
-     * halves and reload them whole, stalling every load). */
-#if VL == 16
-    const vf b[2] = {w[0], w[1]};
-#elif VL == 8
-    const vf b[4] = {__builtin_shufflevector(w[0], w[0], 0, 1, 2, 3, 4, 5, 6, 7),
-                     __builtin_shufflevector(w[0], w[0], 8, 9, 10, 11, 12, 13, 14, 15),
-                     __builtin_shufflevector(w[1], w[1], 0, 1, 2, 3, 4, 5, 6, 7),
-                     __builtin_shufflevector(w[1], w[1], 8, 9, 10, 11, 12, 13, 14, 15)};
-#else
-    vf b[8];
-    memcpy(b, w, sizeof b);
-#endif
+    vf b[32 / VL];
+    cut32(w, b);
     _Pragma("GCC unroll 4") for (int p = 0; p < 32 / VL; p++)
         _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++)
             acc[r][j] = vfma(vload(x + r * ldx + VL * p), b[p], acc[r][j]);
 }
 
-/* The chains acc[r][j] of x[r] . W's row j carried over runs [s0, s1) of 32 weights, for r < rows and
- * j < cols (constants after inlining), in the lanes and order of tile(): each 32 weights widened in
- * registers only, the chains in a local copy that nothing can alias. The cols rows' chains are
- * independent, so the multiply-adds of one row do not wait on each other. For k-quants s0 and s1 are whole
- * super-blocks (multiples of 8 runs).
+/* out[r][j] = x[r] . W's row j over its `runs` runs of 32 weights, for r < rows and j < cols (constants
+ * after inlining), in the lanes and order of tile(): each 32 weights widened in registers only. The
+ * cols rows' chains are independent, so the multiply-adds of one row do not wait on each other.
  *
  * The bytes `ahead` of those read (the same place in the next group's rows) are prefetched: a row of a
  * narrow weight is a few cache lines, too few for the hardware's stream prefetchers to learn before it
@@ -225,15 +231,15 @@ INLINE void multiply32(const f32x16 w[2], const float *x, int64_t ldx, int rows,
  * as fast as when it sits in the cache. They go to L2 (locality 2, prefetcht1), not L1: on two Zen 4
  * cores the product of one row with Qwen's [151936, 896] Q8_0 logits weight took 5.2 ms instead of 8.5;
  * other types ran alike. */
-INLINE void fused_group(int qtype, const uint8_t *const *w, int64_t ahead, int cols, int64_t s0, int64_t s1,
-                        const float *x, int64_t ldx, int rows, vf acc[FUSED_ROWS][NB])
+INLINE void fused_group(int qtype, const uint8_t *const *w, int64_t ahead, int cols, int64_t runs,
+                        const float *x, int64_t ldx, int rows, float out[FUSED_ROWS][NB])
 {
-    vf a[FUSED_ROWS][NB];
+    vf acc[FUSED_ROWS][NB];
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < cols; j++)
-            a[r][j] = acc[r][j];
+            acc[r][j] = (vf){0};
     if (is_k_type(qtype)) /* whole super-blocks: their scales once, then sub-blocks at constant offsets */
-        for (int64_t sb = s0 / 8; sb < s1 / 8; sb++) {
+        for (int64_t sb = 0; sb < runs / 8; sb++) {
             _Pragma("GCC unroll 8") for (int j = 0; j < cols; j++)
                 for (int l = 0; l < block_bytes(qtype); l += 64)
                     __builtin_prefetch(w[j] + ahead + block_bytes(qtype) * sb + l, 0, 2);
@@ -247,109 +253,130 @@ INLINE void fused_group(int qtype, const uint8_t *const *w, int64_t ahead, int c
                 {
                     f32x16 wide[2];
                     k_decode32(qtype, w[j] + block_bytes(qtype) * sb, g, &ks[j], wide);
-                    multiply32(wide, x + 32 * (8 * sb + g), ldx, rows, a, j);
+                    multiply32(wide, x + 32 * (8 * sb + g), ldx, rows, acc, j);
                 }
         }
     else
-        for (int64_t s = s0; s < s1; s++)
+        for (int64_t s = 0; s < runs; s++)
             _Pragma("GCC unroll 8") for (int j = 0; j < cols; j++)
             {
                 __builtin_prefetch(w[j] + ahead + bytes32(qtype) * s, 0, 2);
                 f32x16 wide[2];
                 decode32(qtype, w[j], s, NULL, wide);
-                multiply32(wide, x + 32 * s, ldx, rows, a, j);
+                multiply32(wide, x + 32 * s, ldx, rows, acc, j);
             }
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < cols; j++)
-            acc[r][j] = a[r][j];
+            out[r][j] = vsum(acc[r][j]);
 }
 
-/* Runs of 32 weights per slice when more than FUSED_ROWS rows take the register path: each pass of up to
- * FUSED_ROWS rows widens the group's slice again, from L1 after the first pass brought it there (NB rows
- * of FUSED_RUNS * 32 weights: at NB = 4, 2.25-4.25 KiB of 4.5-8.5-bit blocks, 16 KiB of fp32), and the
- * chains are kept in memory from one slice to the next. Longer slices load and store the chains less
- * often; shorter ones keep the slice (and a pass's rows of x: 16 KiB at 4 rows) in L1 on more cores. A
- * multiple of 8: slices start on whole super-blocks. */
-#define FUSED_RUNS 32
-#define FUSED_PASSES 2 /* up to FUSED_ROWS * FUSED_PASSES rows take the register path */
-#define FUSED_MAX (FUSED_ROWS * FUSED_PASSES)
-_Static_assert(FUSED_RUNS % 8 == 0, "slices start on whole super-blocks");
-
-/* One register pass over the runs [s0, s1): fused_group for one type, its rows and its width (a whole
- * group, or a single row) made constants, out of line, for the passes past FUSED_ROWS rows. */
-typedef void FusedPass(const uint8_t *const *w, int64_t ahead, int64_t s0, int64_t s1, const float *x,
-                       int64_t ldx, vf acc[FUSED_ROWS][NB]);
-#define FUSED_PASS(T, R)                                                                                  \
-    static void pass_##T##_##R(const uint8_t *const *w, int64_t ahead, int64_t s0, int64_t s1,           \
-                               const float *x, int64_t ldx, vf acc[FUSED_ROWS][NB])                        \
-    {                                                                                                     \
-        fused_group(T, w, ahead, NB, s0, s1, x, ldx, R, acc);                                             \
-    }                                                                                                     \
-    static void one_##T##_##R(const uint8_t *const *w, int64_t ahead, int64_t s0, int64_t s1,            \
-                              const float *x, int64_t ldx, vf acc[FUSED_ROWS][NB])                         \
-    {                                                                                                     \
-        fused_group(T, w, ahead, 1, s0, s1, x, ldx, R, acc);                                              \
-    }
-
-/* out[r][j] = x[r] . W's row j for r < rows, FUSED_ROWS < rows <= FUSED_MAX, and j < cols, through a
- * type's passes ([0] over a whole group, [1] over a single row; each [rows - 1]): the rows split between
- * two passes as evenly as they go (fewer chains a pass leave registers for the widened weights and x: the
- * tiles' MR is 3 where 4 rows fill an AVX2 build's registers), the second over each slice right after the
- * first, each chain carried over k in order: one pass's chain. */
-static void two_passes(FusedPass *const passes[2][FUSED_ROWS], const uint8_t *const *w, int64_t ahead, int cols,
-                       int64_t runs, const float *x, int64_t ldx, int rows, float out[FUSED_MAX][NB])
+/* dst[0:32] = w, vector by vector, from registers (through memcpy GCC made a copy on the stack). */
+INLINE void store32(float *dst, const f32x16 w[2])
 {
-    const int r1 = rows / 2, r0 = rows - r1, width = cols == NB ? NB : 1;
-    FusedPass *const first = passes[width == 1][r0 - 1], *const second = passes[width == 1][r1 - 1];
-    for (int j0 = 0; j0 < cols; j0 += width) {
-        vf acc[FUSED_PASSES][FUSED_ROWS][NB] = {0};
-        for (int64_t s0 = 0; s0 < runs; s0 += FUSED_RUNS) {
-            const int64_t s1 = runs - s0 < FUSED_RUNS ? runs : s0 + FUSED_RUNS;
-            first(w + j0, ahead, s0, s1, x, ldx, acc[0]);
-            second(w + j0, ahead, s0, s1, x + r0 * ldx, ldx, acc[1]);
-        }
-        for (int j = 0; j < width; j++) {
-            for (int r = 0; r < r0; r++)
-                out[r][j0 + j] = vsum(acc[0][r][j]);
-            for (int r = 0; r < r1; r++)
-                out[r0 + r][j0 + j] = vsum(acc[1][r][j]);
+    vf b[32 / VL];
+    cut32(w, b);
+    _Pragma("GCC unroll 8") for (int p = 0; p < 32 / VL; p++)
+        *(vf *)(dst + VL * p) = b[p];
+}
+
+/* A group's runs [s0, s1) of 32 weights widened into fp32 rows KC apart in `wide`, as fused_group widens
+ * them, with its prefetch of the next group's bytes. */
+INLINE void widen_group(int qtype, const uint8_t *const *w, int64_t ahead, int cols, int64_t s0, int64_t s1,
+                        float *wide)
+{
+    if (is_k_type(qtype))
+        for (int j = 0; j < cols; j++)
+            for (int64_t sb = s0 / 8; sb < s1 / 8; sb++) {
+                const uint8_t *block = w[j] + block_bytes(qtype) * sb;
+                for (int l = 0; l < block_bytes(qtype); l += 64)
+                    __builtin_prefetch(block + ahead + l, 0, 2);
+                KScales ks;
+                k_scales(qtype, block, &ks);
+                _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++)
+                {
+                    f32x16 v[2];
+                    k_decode32(qtype, block, g, &ks, v);
+                    store32(wide + j * 32 * (s1 - s0) + 32 * (8 * sb + g - s0), v);
+                }
+            }
+    else
+        for (int j = 0; j < cols; j++)
+            for (int64_t s = s0; s < s1; s++) {
+                __builtin_prefetch(w[j] + ahead + bytes32(qtype) * s, 0, 2);
+                f32x16 v[2];
+                decode32(qtype, w[j], s, NULL, v);
+                store32(wide + j * 32 * (s1 - s0) + 32 * (s - s0), v);
+            }
+}
+
+typedef void Widen(const uint8_t *const *w, int64_t ahead, int cols, int64_t s0, int64_t s1, float *wide);
+
+/* out[r][j] for FUSED_ROWS < rows <= FUSED_MAX. Widening, not multiplying, is most of a register pass's
+ * work, so rather than widening each weight again for every FUSED_ROWS rows, each KC of a group's columns
+ * is widened once, into L1, and multiplied from there in tile()'s tiles: the same sums, their chains
+ * carried from slice to slice. Unlike the tiled path's, the widening prefetches the next group's bytes and
+ * threads take groups as they finish: at this many rows reading the weight, not multiplying, bounds it. */
+static void widened_group(Widen *widen, const uint8_t *const *w, int64_t ahead, int cols, int64_t runs,
+                          const float *x, int64_t ldx, int rows, float out[FUSED_MAX][NB])
+{
+    float wide[NB * KC] __attribute__((aligned(64)));
+    vf acc[(FUSED_MAX + MR - 1) / MR][MR][NB];
+    for (int64_t s0 = 0; s0 < runs; s0 += KC / 32) {
+        const int64_t s1 = runs - s0 < KC / 32 ? runs : s0 + KC / 32, kc = 32 * (s1 - s0);
+        const int first = s0 == 0, last = s1 == runs;
+        const float *wrows[NB];
+        for (int j = 0; j < cols; j++)
+            wrows[j] = wide + j * kc;
+        widen(w, ahead, cols, s0, s1, wide);
+        for (int r0 = 0; r0 < rows; r0 += MR) {
+            const int n = rows - r0 < MR ? rows - r0 : MR;
+            float tiled[MR][NB];
+            if (cols == NB)
+                tile_full(x + r0 * ldx + 32 * s0, ldx, kc, kc, n, wrows, acc[r0 / MR], first, last, tiled);
+            else
+                tile_any(x + r0 * ldx + 32 * s0, ldx, kc, kc, n, wrows, cols, acc[r0 / MR], first, last, tiled);
+            for (int r = 0; last && r < n; r++)
+                for (int j = 0; j < cols; j++)
+                    out[r0 + r][j] = tiled[r][j];
         }
     }
 }
 
-/* out[r][j] for R <= FUSED_ROWS rows in one pass over all of k: fused_group inlined, for one type, its
- * row count and a whole group (or a single row) made constants. */
-#define FUSED_ROWS_CASE(T, R)                                                     \
-    case R:                                                                       \
-        for (int j0 = 0; j0 < cols; j0 += cols == NB ? NB : 1) {                  \
-            vf acc[FUSED_ROWS][NB] = {0};                                         \
-            if (cols == NB)                                                       \
-                fused_group(T, w, ahead, NB, 0, runs, x, ldx, R, acc);            \
-            else                                                                  \
-                fused_group(T, w + j0, ahead, 1, 0, runs, x, ldx, R, acc);        \
-            for (int j = 0; j < (cols == NB ? NB : 1); j++)                       \
-                for (int r = 0; r < R; r++)                                       \
-                    out[r][j0 + j] = vsum(acc[r][j]);                             \
-        }                                                                         \
+typedef void FusedGroup(const uint8_t *const *w, int64_t ahead, int cols, int64_t runs,
+                        const float *x, int64_t ldx, int rows, float out[FUSED_MAX][NB]);
+
+/* fused_group for one type, its row count and a whole group (or a single row) made constants. */
+#define FUSED_ROWS_CASE(T, R)                                         \
+    case R:                                                           \
+        if (cols == NB)                                               \
+            fused_group(T, w, ahead, NB, runs, x, ldx, R, out);       \
+        else                                                          \
+            for (int j = 0; j < cols; j++) {                          \
+                float one[FUSED_ROWS][NB];                            \
+                fused_group(T, w + j, ahead, 1, runs, x, ldx, R, one);   \
+                for (int r = 0; r < R; r++)                           \
+                    out[r][j] = one[r][0];                            \
+            }                                                         \
         break;
 #define FUSED_FOR_TYPE(T)                                                                                  \
-    FUSED_PASS(T, 1) FUSED_PASS(T, 2) FUSED_PASS(T, 3) FUSED_PASS(T, 4)                                    \
-    static void fused_##T(const uint8_t *const *w, int64_t ahead, int cols, int64_t runs, const float *x,  \
-                          int64_t ldx, int rows, float out[FUSED_MAX][NB])                                 \
+    static void widen_##T(const uint8_t *const *w, int64_t ahead, int cols, int64_t s0, int64_t s1,       \
+                          float *wide)                                                                     \
     {                                                                                                      \
-        static FusedPass *const passes[2][FUSED_ROWS] = {                                                  \
-            {pass_##T##_1, pass_##T##_2, pass_##T##_3, pass_##T##_4},                                      \
-            {one_##T##_1, one_##T##_2, one_##T##_3, one_##T##_4}};                                         \
+        if (cols == NB)                                                                                    \
+            widen_group(T, w, ahead, NB, s0, s1, wide);                                                    \
+        else                                                                                               \
+            widen_group(T, w, ahead, cols, s0, s1, wide);                                                  \
+    }                                                                                                      \
+    static void fused_##T(const uint8_t *const *w, int64_t ahead, int cols, int64_t runs,                  \
+                          const float *x, int64_t ldx, int rows, float out[FUSED_MAX][NB])                 \
+    {                                                                                                      \
         switch (rows) {                                                                                    \
             FUSED_ROWS_CASE(T, 1) FUSED_ROWS_CASE(T, 2) FUSED_ROWS_CASE(T, 3) FUSED_ROWS_CASE(T, 4)        \
-        default: two_passes(passes, w, ahead, cols, runs, x, ldx, rows, out);                              \
+        default: widened_group(widen_##T, w, ahead, cols, runs, x, ldx, rows, out);                        \
         }                                                                                                  \
     }
 FOR_EACH_TYPE(FUSED_FOR_TYPE)
-_Static_assert(FUSED_ROWS == 4, "FUSED_FOR_TYPE has a case and a pass for each row count up to FUSED_ROWS");
-
-typedef void FusedGroup(const uint8_t *const *w, int64_t ahead, int cols, int64_t runs, const float *x,
-                        int64_t ldx, int rows, float out[FUSED_MAX][NB]);
+_Static_assert(FUSED_ROWS == 4, "FUSED_FOR_TYPE has a case for each row count up to FUSED_ROWS");
 
 #define FUSED_CASE(T) \
     case T: return fused_##T;
@@ -419,7 +446,7 @@ static const WeightPart *group_part(const Weight *w, int64_t g, int64_t *row0, i
     return &w->parts[p];
 }
 
-/* The rows of the groups for m <= FUSED_MAX rows of x, from registers: the tiled path's sums.
+/* The rows of the groups for m <= FUSED_MAX rows of x, widened as they are read: the tiled path's sums.
  * Threads take groups as they finish, in shares as block_q8.c's (share_rows), without waiting for each
  * other. */
 static void fused_share(const float *x, int64_t m, int64_t k, const Weight *w, int64_t n, int64_t groups,
