@@ -11,6 +11,7 @@ stdout: a last line `PEER_RESULT {"elapsed": seconds, "output_tokens": n}` (the 
 With "cold": the time.time() the process was launched, vLLM and llmserve run the batch right after
 their constructor, with no warm-up request, and the result adds "startup" (the constructor's seconds)
 and "since_launch" (seconds from the launch to the last token): what a user of a fresh process waits.
+With "then" too (more prompts), that batch runs next in the same process and "then_elapsed" is its time.
 For sentence-transformers (the embeddings benchmark): {"peer": "sentence-transformers", "model" (its
 folder), "sentences": [str], "batch_size", "threads"} → `PEER_RESULT {"elapsed": seconds, "sentences": n}`.
 """
@@ -82,7 +83,7 @@ def run_vllm(job: dict[str, Any]) -> dict[str, float]:
         job,
         startup,
         lambda: llm.generate([{"prompt_token_ids": prompts[0][:8]}], warmup, use_tqdm=False),
-        lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False),
+        lambda batch: llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False),
     )
 
 
@@ -102,20 +103,26 @@ def run_llmserve(job: dict[str, Any]) -> dict[str, float]:
             job,
             startup,
             lambda: llm.generate(TokensPrompt(prompt_token_ids=prompts[0][:8]), warmup, use_tqdm=False),
-            lambda: llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False),
+            lambda batch: llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False
+            ),
         )
     finally:
         llm.shutdown()
 
 
 def _batch(
-    job: dict[str, Any], startup: float, warm_up: Callable[[], Any], generate: Callable[[], list[Any]]
+    job: dict[str, Any],
+    startup: float,
+    warm_up: Callable[[], Any],
+    generate: Callable[[list[list[int]]], list[Any]],
 ) -> dict[str, float]:
-    """Times `generate` (after `warm_up`, unless the job is cold) and counts the tokens it returns."""
+    """Times `generate` on the job's prompts (after `warm_up`, unless the job is cold) and counts the
+    tokens it returns; then, for a cold job, on its "then" prompts."""
     if not job.get("cold"):
         warm_up()
     start = time.perf_counter()
-    outputs = generate()
+    outputs = generate(job["prompts"])
     result = {
         "elapsed": time.perf_counter() - start,
         "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
@@ -123,6 +130,10 @@ def _batch(
     }
     if job.get("cold"):
         result["since_launch"] = time.time() - job["cold"]
+        if job.get("then"):
+            start = time.perf_counter()
+            generate(job["then"])
+            result["then_elapsed"] = time.perf_counter() - start
     return result
 
 

@@ -33,8 +33,10 @@ four runs each way in turn: medians 469 and 521 output tok/s). Those warm figure
 So a user's first minute is measured too (unless --no-cold): llmserve and vLLM each run the first
 workload again in a fresh process, right after their constructor, with no warm-up request. Each reports
 its start-up (the constructor), the rate of that first batch, and the seconds from launching the
-process to the last token: what `llmserve generate` or a short script waits for. Our first batch's rate
-is also given as a share of the warm rate of the same workload.
+process to the last token: what `llmserve generate` or a short script waits for. Then the same process
+runs the workload's prompts with every token id moved by one: the same lengths and work, none of it in
+the prefix cache (the same prompts again would skip their prefill). The first batch's rate is also given
+as a share of that next one's.
 """
 
 from __future__ import annotations
@@ -238,8 +240,15 @@ def run_vllm(args: argparse.Namespace, works: list[Workload]) -> list[float] | s
 PEERS: dict[str, Runner] = {"hf": run_hf, "llama-cpp": run_llama_cpp, "vllm": run_vllm}
 
 
-def run_cold(args: argparse.Namespace, work: Workload) -> dict[str, dict[str, float] | str]:
-    """The workload in a fresh process per engine, timed from its launch (see the module's docstring)."""
+def moved_by_one(work: Workload, vocab_size: int) -> Workload:
+    """The same prompt lengths, every token id moved by one (within [100, vocab_size)): the same work,
+    none of it in the prefix cache."""
+    return Workload([[100 + (t - 99) % (vocab_size - 100) for t in p] for p in work.prompts], work.output_len)
+
+
+def run_cold(args: argparse.Namespace, work: Workload, vocab_size: int) -> dict[str, dict[str, float] | str]:
+    """The workload in a fresh process per engine, timed from its launch, then the same work again in new
+    prompts (see the module's docstring)."""
     ours = {
         "dtype": args.dtype,
         "quantization": args.quantization,
@@ -260,7 +269,8 @@ def run_cold(args: argparse.Namespace, work: Workload) -> dict[str, dict[str, fl
         if python is None:
             results[name] = "not installed"
             continue
-        job.update(prompts=work.prompts, output_len=work.output_len, threads=engine_threads())
+        then = moved_by_one(work, vocab_size).prompts
+        job.update(prompts=work.prompts, then=then, output_len=work.output_len, threads=engine_threads())
         try:
             results[name] = run_peer(python, {**job, "cold": time.time()})
         except RuntimeError as e:
@@ -269,18 +279,24 @@ def run_cold(args: argparse.Namespace, work: Workload) -> dict[str, dict[str, fl
     return results
 
 
-def report_cold(work: Workload, warm_seconds: float, cold: dict[str, dict[str, float] | str]) -> None:
-    print(f"\nfrom a fresh process, {len(work.prompts)} prompts, no warm-up request:")
-    print(f"  {'':>10} {'start-up s':>11} {'first batch tok/s':>18} {'launch to last token s':>23}")
+def report_cold(work: Workload, cold: dict[str, dict[str, float] | str]) -> None:
+    print(
+        f"\nfrom a fresh process, {len(work.prompts)} prompts, no warm-up request;"
+        " then new prompts of the same lengths:"
+    )
+    print(
+        f"  {'':>10} {'start-up s':>11} {'first batch tok/s':>18} {'next batch tok/s':>17} {'first/next':>11}"
+        f" {'launch to last token s':>23}"
+    )
     for name, result in cold.items():
         if isinstance(result, str):
             print(f"  {name:>10}: skipped: {result}")
             continue
-        rate = work.output_tokens / result["elapsed"]
-        line = f"  {name:>10} {result['startup']:11.1f} {rate:18.1f} {result['since_launch']:23.1f}"
-        if name == "llmserve":
-            line += f"   ({warm_seconds / result['elapsed']:.0%} of the warm rate)"
-        print(line)
+        first, then = work.output_tokens / result["elapsed"], work.output_tokens / result["then_elapsed"]
+        print(
+            f"  {name:>10} {result['startup']:11.1f} {first:18.1f} {then:17.1f} {first / then:11.0%}"
+            f" {result['since_launch']:23.1f}"
+        )
     theirs = cold.get("vllm")
     ours = cold["llmserve"]
     if isinstance(theirs, dict) and isinstance(ours, dict):
@@ -421,8 +437,8 @@ def main() -> None:
         "workloads": rows,
     }
     if not args.no_cold:
-        cold = run_cold(args, works[0])
-        report_cold(works[0], mine[0].seconds, cold)
+        cold = run_cold(args, works[0], vocab)
+        report_cold(works[0], cold)
         results["cold"] = {"num_prompts": len(works[0].prompts), "warm_seconds": mine[0].seconds, **cold}
     if gguf:
         theirs = run_batched_bench(

@@ -61,7 +61,8 @@ def test_a_failing_peer_process_raises_with_its_output() -> None:
 
 def test_a_cold_job_runs_no_warm_up_and_times_from_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     """ "cold" carries the launch's time.time(): the result adds the constructor's seconds and the
-    seconds from the launch to the last token, and the batch is the first thing generated."""
+    seconds from the launch to the last token, and the batch is the first thing generated; "then"
+    prompts come next, timed apart."""
     calls: list[int] = []
 
     class Counting(FakeVLLM):
@@ -74,7 +75,19 @@ def test_a_cold_job_runs_no_warm_up_and_times_from_the_launch(monkeypatch: pytes
     launched = time.time() - 5.0
     result = peer_runner.run_vllm({"peer": "vllm", **JOB, "cold": launched})
     assert calls == [2] and result["output_tokens"] == 8
-    assert result["since_launch"] >= 5.0 and result["startup"] >= 0
+    assert result["since_launch"] >= 5.0 and result["startup"] >= 0 and "then_elapsed" not in result
+    calls.clear()
+    result = peer_runner.run_vllm({"peer": "vllm", **JOB, "cold": launched, "then": [[7, 8, 9]] * 3})
+    assert calls == [2, 3] and result["output_tokens"] == 8 and result["then_elapsed"] >= 0
     calls.clear()
     warm = peer_runner.run_vllm({"peer": "vllm", **JOB})
     assert calls == [1, 2] and "since_launch" not in warm
+
+
+def test_the_next_cold_batch_is_the_same_work_in_new_prompts() -> None:
+    from benchmarks.throughput import Workload, moved_by_one
+
+    work = Workload([[100, 5000, 49151], [49150]], 8)
+    moved = moved_by_one(work, 49152)
+    assert moved.prompts == [[101, 5001, 100], [49151]] and moved.output_len == 8
+
