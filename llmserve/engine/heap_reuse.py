@@ -33,5 +33,8 @@ def keep_freed_heap() -> bool:
     kept = bool(mallopt(_M_MMAP_MAX, 0))  # no block mapped on its own: every one from the heap
     kept = kept and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     if kept:
-        logger.info("Heap: every block from the heap; up to %d MiB of it kept once freed.", TRIM_THRESHOLD >> 20)
+        logger.info(
+            "Heap: every block from the heap; up to %d MiB of it kept once freed.",
+            TRIM_THRESHOLD >> 20,
+        )
     return kept

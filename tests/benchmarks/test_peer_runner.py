@@ -90,4 +90,3 @@ def test_the_next_cold_batch_is_the_same_work_in_new_prompts() -> None:
     work = Workload([[100, 5000, 49151], [49150]], 8)
     moved = moved_by_one(work, 49152)
     assert moved.prompts == [[101, 5001, 100], [49151]] and moved.output_len == 8
-
