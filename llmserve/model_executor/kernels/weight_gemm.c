@@ -279,8 +279,8 @@ INLINE void store32(float *dst, const f32x16 w[2])
         *(vf *)(dst + VL * p) = b[p];
 }
 
-/* A group's runs [s0, s1) of 32 weights widened into fp32 rows KC apart in `wide`, as fused_group widens
- * them, with its prefetch of the next group's bytes. */
+/* A group's runs [s0, s1) of 32 weights widened into fp32 rows 32 * (s1 - s0) apart in `wide` (aligned:
+ * every store a whole vector), as fused_group widens them, with its prefetch of the next group's bytes. */
 INLINE void widen_group(int qtype, const uint8_t *const *w, int64_t ahead, int cols, int64_t s0, int64_t s1,
                         float *wide)
 {
@@ -315,7 +315,8 @@ typedef void Widen(const uint8_t *const *w, int64_t ahead, int cols, int64_t s0,
  * work, so rather than widening each weight again for every FUSED_ROWS rows, each KC of a group's columns
  * is widened once, into L1, and multiplied from there in tile()'s tiles: the same sums, their chains
  * carried from slice to slice. Unlike the tiled path's, the widening prefetches the next group's bytes and
- * threads take groups as they finish: at this many rows reading the weight, not multiplying, bounds it. */
+ * threads take groups as they finish: at this many rows reading and widening the weight, not multiplying,
+ * bounds the product. */
 static void widened_group(Widen *widen, const uint8_t *const *w, int64_t ahead, int cols, int64_t runs,
                           const float *x, int64_t ldx, int rows, float out[FUSED_MAX][NB])
 {
