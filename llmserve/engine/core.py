@@ -6,6 +6,7 @@ import logging
 import time
 
 from llmserve.config import EngineConfig, ResolvedLimits
+from llmserve.engine.heap_reuse import heap_size, reserve_heap
 from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from llmserve.model_executor.device import kv_cache_budget
 from llmserve.model_executor.encoder_runner import EncoderModelRunner
@@ -26,6 +27,12 @@ logger = logging.getLogger(__name__)
 # How long a step with nothing to run waits for a compiling grammar: bounds the delay it adds to new
 # inputs (the busy loop reads them between steps) while sparing a spin.
 _GRAMMAR_WAIT_S = 0.01
+# The warm-up's small steps take this share of max_num_seqs (and twice it): enough sequences that what
+# each adds to the heap stands out, a small part of a full step's compute.
+_WARM_UP_SHARE = 16
+# glibc grows the heap this much past what a request needs (M_TOP_PAD), so the second step may fit partly
+# in what the first grew: counted as the second step's, what each sequence adds errs high, not low.
+_HEAP_PAD = 128 << 10
 
 
 class EngineCore:
@@ -92,45 +99,64 @@ class EngineCore:
         )
         self._config, self._started = config, started
 
-    def warm_up(self) -> None:
-        """One step at the configured batch shape before the first request (a generating model's):
-        `max_num_seqs` sequences of one token (and as many guesses as speculation makes), each in
-        blocks of its own, given back to the pool after. The step's temporaries (activations, logits,
-        the sampler's) stay in the heap, resident for the requests' steps, where the process keeps what
-        it frees (`heap_reuse.py`: call this after it), and every kernel of a decode step has run once.
+    def warm_up(self, heap_kept: bool) -> None:
+        """Makes the first request's step as fast as the ones after it, without running a step of the
+        configured batch shape (`max_num_seqs` sequences of one token and their guesses; seconds of
+        compute on a larger model): two small steps of that shape run every kernel of a decode step
+        once, the heap they grow says what each sequence adds to a step's temporaries (activations,
+        logits, the sampler's), and where the process keeps what it frees (`heap_reuse.py`, as
+        `heap_kept` says) the heap the full step needs is made resident from that.
         """
         runner, pool, config = self.model_runner, self.kv_cache_manager.block_pool, self._config
         if self.limits.runner != "generate":
             return
         assert isinstance(runner, ModelRunner)
         speculative = config.speculative_config
-        guesses = [0] * (0 if speculative is None else speculative.num_speculative_tokens)
-        per_seq = cdiv(1 + len(guesses), self.limits.block_size)
+        rows = 1 + (0 if speculative is None else speculative.num_speculative_tokens)
+        per_seq = cdiv(rows, self.limits.block_size)
         num_seqs = min(config.scheduler_config.max_num_seqs, pool.num_free_blocks // per_seq)
         started = time.perf_counter()
+        small = max(1, num_seqs // _WARM_UP_SHARE)
+        self._warm_up_step(small, rows, per_seq)
+        first = heap_size()
+        self._warm_up_step(min(2 * small, num_seqs), rows, per_seq)
+        second = heap_size()
+        reserved = 0
+        if heap_kept and first is not None and second is not None and num_seqs > 2 * small:
+            reserved = (second - first + _HEAP_PAD) * (num_seqs - 2 * small) // small
+            reserve_heap(reserved)
+        now = time.perf_counter()
+        logger.info(
+            "Warm-up: steps of %d and %d sequences (%d rows each), and %.0f MiB of heap resident for a "
+            "step of %d, in %.2f s. Engine core ready %.1f s after it started.",
+            small,
+            min(2 * small, num_seqs),
+            rows,
+            reserved / (1 << 20),
+            num_seqs,
+            now - started,
+            now - self._started,
+        )
+
+    def _warm_up_step(self, num_seqs: int, rows: int, per_seq: int) -> None:
+        """One step of `num_seqs` sequences of one token and `rows - 1` guesses, each in blocks of its
+        own, given back to the pool after."""
+        runner, pool = self.model_runner, self.kv_cache_manager.block_pool
+        assert isinstance(runner, ModelRunner)
         params = SamplingParams(temperature=0.0, max_tokens=1)
         blocks = pool.get_new_blocks(num_seqs * per_seq)
         scheduled = [
             ScheduledRequest(
                 Request(f"warm-up-{i}", [0], params, None, 0.0, self.limits.max_model_len),
-                1 + len(guesses),
+                rows,
                 [b.block_id for b in blocks[i * per_seq : (i + 1) * per_seq]],
                 samples=True,
-                spec_token_ids=list(guesses),
+                spec_token_ids=[0] * (rows - 1),
             )
             for i in range(num_seqs)
         ]
         runner.execute_model(SchedulerOutput(scheduled))
         pool.free_blocks(blocks)
-        now = time.perf_counter()
-        logger.info(
-            "Warm-up: a step of %d sequences (%d rows) in %.2f s; its temporaries stay resident. "
-            "Engine core ready %.1f s after it started.",
-            num_seqs,
-            num_seqs * (1 + len(guesses)),
-            now - started,
-            now - self._started,
-        )
 
     def _kv_pool(self, config: EngineConfig, model_max: int) -> tuple[int, int, int]:
         """A decoder's KV pool, sized from `kv_cache_memory`: its blocks, its bytes, and max_model_len

@@ -84,7 +84,7 @@ class InprocClient(EngineCoreClient):
 
     def __init__(self, config: EngineConfig) -> None:
         self.engine_core = EngineCore(config)
-        self.engine_core.warm_up()
+        self.engine_core.warm_up(heap_kept=False)  # this process's heap is its own
         self.limits = self.engine_core.limits
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -209,8 +209,7 @@ class EngineCoreProc:
             # warm-up's first.
             gc.collect()
             gc.freeze()
-            keep_freed_heap()
-            engine_core.warm_up()
+            engine_core.warm_up(heap_kept=keep_freed_heap())
         except Exception as e:
             self._report(EngineCoreEventType.STARTUP_FAILED, e)
             self.input_socket.close()  # its thread never started

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
+from torch import nn
+
+M = TypeVar("M", bound=nn.Module)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -22,6 +27,18 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype != "auto":
         return _DTYPES[dtype]
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def materialize(model: M, device: torch.device, dtype: torch.dtype) -> M:
+    """A model built on the meta device, given uninitialised storage for the weights to load into.
+    `Module.to_empty` would do it through `empty_like`, whose meta-tensor path imports sympy: a third
+    of a second of the engine core's start-up. Floating-point tensors take `dtype`, as `.to(dtype)`
+    would give them."""
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+
+    return model._apply(empty)
 
 
 def kv_cache_budget(device: torch.device, requested: int | None) -> int:

@@ -14,7 +14,7 @@ import torch
 
 from llmserve.config import ModelConfig
 from llmserve.model_executor.cpu_threads import configure_core_threads
-from llmserve.model_executor.device import resolve_device, resolve_dtype
+from llmserve.model_executor.device import materialize, resolve_device, resolve_dtype
 from llmserve.model_executor.execution_plan import ExecutionPlan
 from llmserve.model_executor.loader import ModelSource, iter_weights
 from llmserve.model_executor.models.bert import BertConfig
@@ -43,7 +43,7 @@ class EncoderModelRunner:
         logger.info("Pooling: %s%s.", pooler.pooling_type, ", L2-normalised" if pooler.normalize else "")
         with torch.device("meta"):
             model = encoder_class(architecture)(encoder_config)
-        model = model.to_empty(device=self.device).to(self.dtype)
+        model = materialize(model, self.device, self.dtype)
         model.load_weights(iter_weights(source))
         model.prepare_kernels(self.plan)
         self.model = model.eval()

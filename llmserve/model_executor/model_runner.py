@@ -13,7 +13,7 @@ from llmserve.config import KVCacheDtype, ModelConfig
 from llmserve.engine.messages import TokenLogprobs
 from llmserve.model_executor.attention import AttentionMetadata, PrefillChunk
 from llmserve.model_executor.cpu_threads import configure_core_threads
-from llmserve.model_executor.device import resolve_device, resolve_dtype
+from llmserve.model_executor.device import materialize, resolve_device, resolve_dtype
 from llmserve.model_executor.execution_plan import ExecutionPlan
 from llmserve.model_executor.host_memory import empty_pool, populate, populate_in_background
 from llmserve.model_executor.input_buffers import InputBuffers
@@ -77,7 +77,7 @@ class ModelRunner:
         torch.manual_seed(model_config.seed)
         with torch.device("meta"):
             model = model_cls(decoder_config, stored=self.plan.stored_weights)
-        model = model.to_empty(device=self.device).to(self.dtype)  # RoPE tables: see initialize_kv_cache
+        model = materialize(model, self.device, self.dtype)  # RoPE tables: see initialize_kv_cache
         model.load_weights(iter_weights(source, stored=self.plan.stored_weights))
         if self.plan.fused_decode and (why := misfit(model)) is not None:
             self.plan = self.plan.without_fused_decode(why)

@@ -34,3 +34,35 @@ def resident_bytes_freed(mode: str) -> int:
 def test_a_steps_freed_tensors_stay_resident_for_the_next() -> None:
     assert resident_bytes_freed("keep") < 8 << 20
     assert resident_bytes_freed("default") > 200 << 20  # what glibc hands back, to fault in again
+
+
+RESERVE = """
+import os, sys, torch
+from llmserve.engine.heap_reuse import heap_size, keep_freed_heap, reserve_heap
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+assert keep_freed_heap()
+before = heap_size()
+if sys.argv[1] == "reserve":
+    reserve_heap(100 << 20)
+grown = heap_size() - before
+resident = resident_bytes()
+held = [torch.empty(mib << 18).fill_(1.0) for mib in [30, 50, 15]]
+print(grown, resident_bytes() - resident)
+"""
+
+
+def reserved_then_filled(mode: str) -> tuple[int, int]:
+    """The heap's growth from `reserve_heap`, and resident memory's from filling 95 MiB of tensors after."""
+    result = subprocess.run([sys.executable, "-c", RESERVE, mode], capture_output=True, text=True, check=True)
+    grown, resident = result.stdout.split()[-2:]
+    return int(grown), int(resident)
+
+
+def test_reserved_heap_is_resident_for_the_tensors_after_it() -> None:
+    """What the warm-up does for the first full step: without the reservation the same tensors bring
+    their pages in as they are filled."""
+    grown, resident = reserved_then_filled("reserve")
+    assert grown >= 100 << 20 and resident < 4 << 20
+    assert reserved_then_filled("none")[1] > 90 << 20

@@ -32,7 +32,7 @@ config = EngineArgs.from_kwargs(
 core = EngineCore(config)
 keep_freed_heap()
 if sys.argv[2] == "warm-up":
-    core.warm_up()
+    core.warm_up(heap_kept=True)
 
 libc = ctypes.CDLL(None)
 libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]

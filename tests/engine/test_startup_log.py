@@ -80,7 +80,7 @@ def test_start_up_logs_weights_kv_pool_concurrency_and_kernel_build(
     # the blocks a step at the default token budget (2048) with every sequence (128) can take
     resident, warm_up = logged(caplog, "The first").args, logged(caplog, "Warm-up:").args
     assert isinstance(resident, tuple) and resident[0] == min(blocks, 2048 // BLOCK_SIZE + 128)
-    assert isinstance(warm_up, tuple) and warm_up[:2] == (128, 128)
+    assert isinstance(warm_up, tuple) and warm_up[:3] == (8, 16, 1) and warm_up[4] == 128
     plan = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("Execution plan", "  "))]
     assert plan[:5] == [
         "Execution plan (cpu, float32):",
