@@ -4,7 +4,7 @@ request a `PoolingRequestOutput` holding its vector (vLLM's shapes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -135,3 +135,9 @@ class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
 
 
 AnyRequestOutput = RequestOutput | PoolingRequestOutput[PoolingOutput]
+
+
+class OutputSink(Protocol):
+    """Where a request's outputs go in `AsyncLLM` (its `RequestOutputCollector`)."""
+
+    def put(self, output: AnyRequestOutput | BaseException) -> None: ...

@@ -1,7 +1,7 @@
 """How the front end reaches the engine core. One interface; the transport is the implementation's.
 
 `InprocClient` (here) runs the core in this process; `SyncMPClient` and `AsyncMPClient` (`mp_client.py`)
-run it in its own. `make_client` picks one from the config.
+run it in its own. `front_end.make_client` picks one from the config.
 """
 
 from __future__ import annotations
@@ -101,26 +101,3 @@ class InprocClient(EngineCoreClient):
 
     def shutdown(self) -> None:
         pass
-
-
-def make_client(config: EngineConfig, asyncio_mode: bool) -> EngineCoreClient:
-    """`SyncMPClient` or `AsyncMPClient`; `InprocClient` when `config.multiprocess` is off; their data-
-    parallel forms for more than one rank. The asyncio engine has no in-process form: a step would block
-    its event loop, so that combination is refused."""
-    parallel = config.parallel_config
-    if parallel.data_parallel_size > 1 or parallel.data_parallel_backend == "ray":
-        if not config.multiprocess:
-            raise ValueError("data_parallel_size > 1 needs multiprocess=True: each rank is a process.")
-        from llmserve.engine.dp_client import DPLBAsyncMPClient, DPSyncMPClient
-
-        return DPLBAsyncMPClient(config) if asyncio_mode else DPSyncMPClient(config)
-    if not config.multiprocess:
-        if asyncio_mode:
-            raise ValueError(
-                "multiprocess=False is not supported by the asyncio engine: its engine core runs in its "
-                "own process, so that steps never block the event loop."
-            )
-        return InprocClient(config)
-    from llmserve.engine.mp_client import AsyncMPClient, SyncMPClient  # it imports this module
-
-    return AsyncMPClient(config) if asyncio_mode else SyncMPClient(config)

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from llmserve.config import EngineConfig, ResolvedLimits
-from llmserve.engine.core_client import EngineCoreClient, make_client
+from llmserve.engine.core_client import EngineCoreClient, InprocClient
+from llmserve.engine.dp_client import DPLBAsyncMPClient, DPSyncMPClient
 from llmserve.engine.input_processor import InputProcessor
+from llmserve.engine.mp_client import AsyncMPClient, SyncMPClient
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.model_executor.loader import load_tokenizer, resolve_model
 from llmserve.model_executor.loader.tokenizer import eos_token_ids
@@ -44,3 +46,22 @@ class FrontEnd:
             config.structured_outputs_config,
         )
         return cls(tokenizer, engine_core, input_processor, OutputProcessor(tokenizer))
+
+
+def make_client(config: EngineConfig, asyncio_mode: bool) -> EngineCoreClient:
+    """`SyncMPClient` or `AsyncMPClient`; `InprocClient` when `config.multiprocess` is off; their data-
+    parallel forms for more than one rank. The asyncio engine has no in-process form: a step would block
+    its event loop, so that combination is refused."""
+    parallel = config.parallel_config
+    if parallel.data_parallel_size > 1 or parallel.data_parallel_backend == "ray":
+        if not config.multiprocess:
+            raise ValueError("data_parallel_size > 1 needs multiprocess=True: each rank is a process.")
+        return DPLBAsyncMPClient(config) if asyncio_mode else DPSyncMPClient(config)
+    if not config.multiprocess:
+        if asyncio_mode:
+            raise ValueError(
+                "multiprocess=False is not supported by the asyncio engine: its engine core runs in its "
+                "own process, so that steps never block the event loop."
+            )
+        return InprocClient(config)
+    return AsyncMPClient(config) if asyncio_mode else SyncMPClient(config)

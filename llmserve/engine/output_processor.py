@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from transformers import PreTrainedTokenizerBase
 
@@ -17,18 +16,13 @@ from llmserve.outputs import (
     AnyRequestOutput,
     CompletionOutput,
     Logprob,
+    OutputSink,
     PromptLogprobs,
     RequestMetrics,
     RequestOutput,
     SampleLogprobs,
 )
 from llmserve.sampling_params import RequestOutputKind
-
-
-class OutputSink(Protocol):
-    """Where a request's outputs go in `AsyncLLM` (its `RequestOutputCollector`)."""
-
-    def put(self, output: AnyRequestOutput | BaseException) -> None: ...
 
 
 class RequestState:

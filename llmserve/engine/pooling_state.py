@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from llmserve.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from llmserve.metrics.stats import FinishedRequestStats, IterationStats
-from llmserve.outputs import PoolingOutput, PoolingRequestOutput, RequestMetrics
-
-if TYPE_CHECKING:
-    from llmserve.engine.output_processor import OutputSink
+from llmserve.outputs import OutputSink, PoolingOutput, PoolingRequestOutput, RequestMetrics
 
 
 class PoolingRequestState:
