@@ -13,8 +13,8 @@ from llmserve.model_executor.encoder_runner import EncoderModelRunner
 from llmserve.model_executor.loader import load_model_config, resolve_model
 from llmserve.model_executor.loader.sentence_transformers import load_pooler_config
 from llmserve.model_executor.model_runner import ModelRunner
-from llmserve.model_executor.models.bert import BertConfig
-from llmserve.model_executor.models.registry import resolve_runner
+from llmserve.model_executor.models.decoder_config import DecoderConfig
+from llmserve.model_executor.models.registry import is_encoder, resolve_runner
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduling.kv_cache_manager import KVCacheManager, cdiv
 from llmserve.scheduling.request import Request, RequestStatus
@@ -43,18 +43,19 @@ class EngineCore:
         source = resolve_model(config.model_config.model)
         arch_config = load_model_config(source)
         runner = resolve_runner(config.model_config.runner, arch_config.architecture)
-        encoder = isinstance(arch_config, BertConfig)
+        encoder = is_encoder(arch_config.architecture)
         model_max, pooler = arch_config.max_position_embeddings, None
         if runner == "pooling":
             pooling = load_pooler_config(source.path if source.format == "hf" else None, encoder)
             model_max, pooler = min(model_max, pooling.max_seq_length or model_max), pooling.pooler
         self.model_runner: ModelRunner | EncoderModelRunner
-        if isinstance(arch_config, BertConfig):
-            assert pooler is not None  # resolve_runner gives an encoder no other runner
+        if encoder:
+            assert not isinstance(arch_config, DecoderConfig) and pooler is not None  # only pooling
             self.model_runner = EncoderModelRunner(config.model_config, arch_config, source, pooler)
             max_model_len = _max_model_len(config.model_config.max_model_len, model_max, None)
             num_blocks, kv_bytes = _bookkeeping_blocks(config), 0
         else:
+            assert isinstance(arch_config, DecoderConfig)
             self.model_runner = ModelRunner(
                 config.model_config, arch_config, source, pooler, config.cache_config.kv_cache_dtype
             )
