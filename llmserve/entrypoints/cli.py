@@ -3,37 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
-import typing
 from collections.abc import Sequence
 
 from llmserve.config import EngineArgs
 from llmserve.entrypoints.chat_client import add_client_commands
+from llmserve.entrypoints.flags import add_flags, values_from
 from llmserve.entrypoints.openai.server_args import add_server_args, server_args_from
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    hints = typing.get_type_hints(EngineArgs)
-    for f in dataclasses.fields(EngineArgs):
-        if f.name == "model":
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        hint = hints[f.name]
-        choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
-        if hint is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-            continue
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        kind = int if int in args or hint is int else float if float in args or hint is float else str
-        parser.add_argument(
-            flag, type=kind, default=f.default, choices=choices or None, help=f"(default: {f.default})"
-        )
+    add_flags(parser, EngineArgs, skip={"model"})  # a positional argument or --model, by command
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    names = {f.name for f in dataclasses.fields(EngineArgs)}
-    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
+    return EngineArgs(**values_from(ns, EngineArgs))
 
 
 def _generate(ns: argparse.Namespace) -> None:
