@@ -1,16 +1,15 @@
 """The engine core's heap keeps what a step frees for the next step, instead of handing it back.
 
-A prefill step allocates megabytes of temporaries ([tokens, width] activations) and frees them. glibc
-maps some afresh (mmap) and trims the heap's free top back to the kernel once it passes twice its mmap
-threshold (64 MiB at most), so the next step faults the same memory in again, page by page: 9% of a
-SmolLM2 run of 64 prompts of 32-512 tokens (194 against 178 tok/s, alternating, with the equivalent
-MALLOC_*_ variables). After start-up (whose temporaries are gone by then), every block comes from the
-heap, and up to 1 GiB of freed heap stays resident, reused at once. Raising the mmap threshold to its
-most (32 MiB) is not enough: a wider model's prefill holds larger temporaries (Qwen2.5-0.5B's MLP over
-a 2,048-token chunk: 80 MiB a layer), which glibc would map afresh in every layer of every step (1.3
-million faults in a batch of 32 prompts of 64-192 tokens). Resident memory then stays at the largest
-step's, flat under load (`benchmarks/soak.py`). `reserve_heap` makes the heap a step will need
-resident ahead of it without running the step (the engine core's warm-up).
+A prefill step allocates megabytes of temporaries ([tokens, width] activations) and frees them. glibc maps
+some afresh (mmap) and trims the heap's free top back to the kernel once it passes twice its mmap
+threshold (64 MiB at most), so the next step faults the same memory in again, page by page
+(docs/performance/kernel-measurements.md has what it cost). After start-up (whose temporaries are gone by
+then), every block comes from the heap, and up to 1 GiB of freed heap stays resident, reused at once.
+Raising the mmap threshold to its most (32 MiB) is not enough: a wider model's prefill holds larger
+temporaries (Qwen2.5-0.5B's MLP over a 2,048-token chunk: 80 MiB a layer), which glibc would map afresh in
+every layer of every step. Resident memory then stays at the largest step's, flat under load
+(`benchmarks/soak.py`). `reserve_heap` makes the heap a step will need resident ahead of it without
+running the step (the engine core's warm-up).
 """
 
 from __future__ import annotations

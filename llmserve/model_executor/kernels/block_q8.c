@@ -245,11 +245,10 @@ INLINE void group_scales(int qtype, const uint8_t *row, int64_t s, int n, __m256
 }
 
 /* Asks for the `bytes` at `at` + PREFETCH_AHEAD, into L2. A weight's rows are one run of memory, but the
- * hardware prefetchers lose the stream in some layouts: one Zen 5 core read a [4096, 14336] Q6_K weight
- * from DRAM at 9 GB/s, where the same rows in L2 went at 27; asked for 8 KiB ahead, at 19-27 (two cores:
- * 16 -> 43 GB/s, and Q4_K 30 -> 36). Into L2, not L1: a long row's int8 x (14 KiB at 14336 inputs, with
- * its scales 18) and 8 KiB of weights in flight do not fit beside each other in a 32 KiB L1, and on Zen 4
- * two cores read such a Q4_K weight at 20-22 GB/s so, 26-31 into L2. */
+ * hardware prefetchers lose the stream in some layouts, reading from DRAM at a fraction of the rate the
+ * same rows go at from L2; 8 KiB ahead brings most of it back. Into L2, not L1: a long row's int8 x (14
+ * KiB at 14336 inputs, with its scales 18) and 8 KiB of weights in flight do not fit beside each other in
+ * a 32 KiB L1 (docs/performance/kernel-measurements.md has the rates). */
 #define PREFETCH_AHEAD 8192
 INLINE void prefetch_ahead(const uint8_t *at, int64_t bytes)
 {

@@ -121,8 +121,8 @@ INLINE f32x16 scaled16(__m128i v, int is_signed, float d, float m, int add_m)
 /* On AVX-512 a 4-bit weight (Q4_0, Q4_1, Q4_K) is read through a table: the 16 values its nibble can
  * stand for, computed in one register by the operations that compute one weight in the other builds,
  * then one permute per 16 weights by their nibbles (vpermps reads the low 4 bits of each lane only), in
- * place of a conversion, a multiply and an add; a 5-bit one (Q5_0, Q5_1) through two. One row of a Q4_K
- * weight went from 10 to 17 GB/s on a Zen 5 core, of a Q5_0 one from 11 to 13-16. The table's lanes:
+ * place of a conversion, a multiply and an add; a 5-bit one (Q5_0, Q5_1) through two: fewer instructions a
+ * weight, where widening bounds a row's rate. The table's lanes:
  * the nibbles 0..15 less the type's centre, as floats. */
 INLINE __m512 nibble_lanes(int centre)
 {

@@ -11,7 +11,7 @@
  * from -128 times its weights' sum (`corrections`), which leaves the exact integer q . w. The int32 sums
  * of each unit (32 weights, 16 in a Q6_K panel) are scaled into fp32 accumulators with one multiply and
  * one multiply-add, the offsets meeting x's sums per 32: on this kernel's CPUs a float multiply-add takes
- * the same unit as a VNNI instruction (Zen 4: one 512-bit either per cycle), while a conversion does not.
+ * the same unit as a VNNI instruction (on some, one 512-bit either per cycle), while a conversion does not.
  * Elsewhere int8_gemm_available() is 0 and the callers round x (round_rows) for weight_gemm.c: the same
  * values, summed in another order.
  */

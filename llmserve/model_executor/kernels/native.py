@@ -49,7 +49,7 @@ _PTR = ctypes.c_void_p
 
 # Instruction set → (the CPU flags it needs, its compiler flags), best first. x86-64-v4 is AVX-512
 # F/BW/CD/DQ/VL; `avx512_vnni` adds the int8 multiply-add that block_q8.c's products take in one
-# instruction (Ice Lake, Zen 4 and later); v3 is AVX2 with FMA and F16C. On other CPUs only `generic`,
+# instruction; v3 is AVX2 with FMA and F16C. On other CPUs only `generic`,
 # built for the host.
 _AVX512 = frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})
 ISAS: dict[str, tuple[frozenset[str], list[str]]] = {

@@ -2,9 +2,8 @@
  * causal and within a sliding window, for CPUs. A bf16 cache's values widen exactly to fp32, in which
  * everything is computed.
  *
- * PyTorch's flash attention (scaled_dot_product_attention, one call per sequence) ran at ~68 GFLOP/s on
- * two Zen 5 cores for SmolLM2's 64 prompts of 32-512 tokens, a sixth of a run's time: it multiplies
- * blocks through MKL, packing them at every call. Here the products are register tiles in the layout
+ * PyTorch's flash attention (scaled_dot_product_attention, one call per sequence) multiplies blocks
+ * through MKL, packing them at every call, a large share of a prefill's time. Here the products are register tiles in the layout
  * that needs no reduction: each (KV head, run of query positions) task holds the rows of all the query
  * heads that share the head (grouped-query attention), its scores MR rows x KV_VECTORS vectors of keys,
  * from keys transposed once per call (KT, phase one); its output MR rows x KV_VECTORS vectors of

@@ -32,15 +32,13 @@
 /* MC rows of x per pass over a group of W's rows, KC of its columns widened at a time (the last slice up
  * to LAST_KC: a short one would cost a pass of the tiles for few columns). The chains carried between
  * slices (MC x NB vectors a group) let a slice be short enough for its widened weight (NB x KC fp32: 24
- * KiB on AVX-512, 16 on AVX2; up to 36 and 24 for the last) to stay in L1 while the tiles pass over it. On a
- * Zen 5 core at 512 rows, Q4_K [14336, 4096]: 158-175 GFLOP/s with 1,024-column slices, 149-167 with 512,
- * 134 with 2,048 (the whole 48 KiB L1); 64 rows of x per pass were slower than 128 (the README has the
- * history). KC is a multiple of every block (32 or 256 weights) and vector: only the last slice has a
+ * KiB on AVX-512, 16 on AVX2; up to 36 and 24 for the last) to stay in L1 while the tiles pass over it:
+ * 1,024 columns measured best, 2,048 (a whole L1) worst, and 64 rows of x per pass were slower than 128
+ * (docs/performance/kernel-measurements.md). KC is a multiple of every block (32 or 256 weights) and vector: only the last slice has a
  * tail, and each slice starts on a whole block. The GROUPS groups taken together pass over each slice in
  * turn, so that x's slice (MC x KC: 512 KiB on AVX-512, the last up to 768, beside their 192 KiB of
  * chains in a 1 MiB L2) comes from L3 once and from L2 for each of them, where one group at a time read
- * x's MC rows whole (2 MiB at k = 4,096) from L3 for every group (the README has the figures; groups of 8
- * were no faster). */
+ * x's MC rows whole (2 MiB at k = 4,096) from L3 for every group (groups of 8 were no faster). */
 #define KC 1024
 #define LAST_KC (KC + KC / 2)
 _Static_assert(KC % 256 == 0, "slices start on whole blocks and vectors");
@@ -227,10 +225,9 @@ INLINE void multiply32(const f32x16 w[2], const float *x, int64_t ldx, int rows,
  *
  * The bytes `ahead` of those read (the same place in the next group's rows) are prefetched: a row of a
  * narrow weight is a few cache lines, too few for the hardware's stream prefetchers to learn before it
- * ends. One row of a [37984, 896] Q5_0 weight took 0.16 ns a weight on a Zen 4 core without, 0.08 with:
- * as fast as when it sits in the cache. They go to L2 (locality 2, prefetcht1), not L1: on two Zen 4
- * cores the product of one row with Qwen's [151936, 896] Q8_0 logits weight took 5.2 ms instead of 8.5;
- * other types ran alike. */
+ * ends; with it a row runs about as fast as when the weight sits in the cache. They go to L2 (locality 2,
+ * prefetcht1), not L1, which was faster for the largest weights (the logits') and alike for the others
+ * (docs/performance/kernel-measurements.md). */
 INLINE void fused_group(int qtype, const uint8_t *const *w, int64_t ahead, int cols, int64_t runs,
                         const float *x, int64_t ldx, int rows, float out[FUSED_ROWS][NB])
 {
