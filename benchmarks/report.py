@@ -9,21 +9,29 @@ so that every figure there was printed by a script, with the command that printe
 
 The benchmarks run one after another (never two at once: they would share the cores), each with its
 defaults plus `--json DIR/NAME.json`; the table is built from every results file in DIR, so `--only`
-refreshes some rows and keeps the others. The table replaces what lies between the markers
-`<!-- results:start -->` and `<!-- results:end -->`; nothing outside them changes.
+refreshes some rows and keeps the others. The table, and a PNG beside the results (DIR/
+output_tokens_per_s.png: output tokens/s, ours and the peers', by concurrent streams and by batch), replace
+what lies between the markers `<!-- results:start -->` and `<!-- results:end -->`; nothing outside them
+changes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.results import portable_command
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no screen
+from matplotlib import pyplot as plt  # noqa: E402
+
+from benchmarks.results import portable_command  # noqa: E402
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 BENCHMARKS = ("throughput", "latency", "serving", "prefix")
@@ -199,6 +207,50 @@ def render(docs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def figure(docs: list[dict[str, Any]], path: Path) -> bool:
+    """A PNG of output tokens/s, ours and each peer's: the server's by concurrent streams, offline by
+    prompts in one batch. False (and no file) when the results hold neither."""
+    series: dict[str, dict[str, dict[int, float]]] = {"server": {}, "offline": {}}
+    for doc in docs:
+        if doc["benchmark"] == "serving":
+            for level in doc["results"]["levels"]:
+                for r in level["reports"]:
+                    by_name = series["server"].setdefault(r["name"], {})
+                    by_name[level["workload"]["concurrency"]] = r["output_tokens_per_s"]
+        if doc["benchmark"] == "throughput":
+            for w in doc["results"]["workloads"]:
+                for name, rate in w["tok_per_s"].items():
+                    series["offline"].setdefault(name, {})[w["num_prompts"]] = rate
+    panels = [(title, lines) for title, lines in series.items() if lines]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    for ax, (title, lines) in zip(axes[0], panels):
+        for name, points in lines.items():
+            xs = sorted(points)
+            ax.plot(
+                xs, [points[x] for x in xs], marker="o", label=PEER_NAMES.get(name, name).replace("`", "")
+            )
+        ax.set_xscale("log", base=2)
+        ticks = sorted({x for points in lines.values() for x in points})
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("concurrent streams" if title == "server" else "prompts in one batch")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(title)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    machine = docs[0]["machine"]
+    fig.suptitle(
+        f"{machine['cpu']}, {machine['cores']} cores, {machine['date']}: {_model(docs[0])}", fontsize=9
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def rewrite(readme: Path, table: str) -> None:
     text = readme.read_text()
     if START not in text or END not in text:
@@ -235,7 +287,11 @@ def main() -> None:
     ]
     if not docs:
         raise SystemExit(f"no results in {folder}.")
-    rewrite(args.readme, render(docs))
+    table, picture = render(docs), folder / "output_tokens_per_s.png"
+    if figure(docs, picture):
+        link = Path(os.path.relpath(picture, args.readme.parent)).as_posix()
+        table += f"\n\n![Output tokens/s, ours and the peers']({link})"
+    rewrite(args.readme, table)
     print(f"{args.readme}: table rewritten from {len(docs)} results file(s) in {folder}.")
 
 

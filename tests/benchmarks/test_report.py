@@ -134,3 +134,24 @@ def test_commands_name_the_peers_by_variables() -> None:
         in table
     )
     assert "/opt/x" not in table and "/home/a b" not in table
+
+
+def test_the_picture_plots_the_server_and_offline_rates_and_nothing_without_them(tmp_path: Path) -> None:
+    workloads = [{"num_prompts": n, "tok_per_s": {"llmserve": 2.0 * n, "vllm": 1.5 * n}} for n in (64, 256)]
+    levels = [
+        {
+            "workload": {"concurrency": c},
+            "reports": [served("llmserve", 10.0 * c), served("llama-server", 8.0 * c)],
+        }
+        for c in (1, 8, 32)
+    ]
+    docs = [
+        doc("throughput", {"model": "m", "workloads": workloads}),
+        doc("serving", {"model": "m", "levels": levels}),
+    ]
+    picture = tmp_path / "rates.png"
+    assert report.figure(docs, picture)
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    prefix = {"num_requests": 64, "prefix_len": 512, "concurrency": 8, "on": {}, "off": {}}
+    assert not report.figure([doc("prefix", prefix)], tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()
