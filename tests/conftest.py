@@ -69,3 +69,43 @@ def qwen_gguf_path() -> Path:
         return resolve_model("qwen2.5-coder-0.5b-instruct").path
     except ValueError as e:
         pytest.fail(str(e))
+
+
+# Test tiers, by where a test lives (`make test-fast` runs unit and kernels, `make test` everything):
+# kernels: the C kernels against their references, every instruction-set build this CPU runs;
+# e2e: real models against transformers; server: the HTTP server; clients: real client programs against
+# it; browser: the playground in Chromium; unit: the rest. `slow` marks what the fast tier leaves out.
+_TIERS = {
+    "tests/e2e/": "e2e",
+    "tests/entrypoints/test_real_clients.py": "clients",
+    "tests/entrypoints/test_playground.py": "browser",
+    "tests/entrypoints/": "server",
+    **{
+        f"tests/model_executor/{name}.py": "kernels"
+        for name in [
+            "test_block_q8",
+            "test_linear_kernels",
+            "test_native_argmax",
+            "test_native_attention",
+            "test_native_build",
+            "test_native_decoder",
+            "test_native_gated_activation",
+            "test_weight_kernels",
+        ]
+    },
+}
+# Unit and kernel tests that take tens of seconds (real models through engine processes, sweeps).
+_SLOW = (
+    "tests/engine/test_resident_start.py",
+    "tests/engine/test_heap_reuse.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(str(config.rootpath))
+    for item in items:
+        path = Path(str(item.path)).relative_to(root).as_posix()
+        tier = next((t for prefix, t in _TIERS.items() if path.startswith(prefix)), "unit")
+        item.add_marker(tier)
+        if path.startswith(_SLOW):
+            item.add_marker("slow")

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 
 from llmserve.model_executor.kernels import native
+from tests.model_executor.isas import TESTED_ISAS
 
 
-@pytest.fixture(params=native.supported_isas())
+@pytest.fixture(params=TESTED_ISAS)
 def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each instruction-set build this CPU runs, forced in turn (an engine core inherits it)."""
+    """Each tested instruction-set build (`isas.py`), forced in turn (an engine core inherits it)."""
     monkeypatch.setenv("LLMSERVE_CPU_ISA", request.param)
     assert native.load_library() is not None, "the C kernels must build here"
     return str(request.param)

@@ -11,6 +11,7 @@ from gguf.quants import quantize
 
 from llmserve.model_executor.kernels import native
 from llmserve.model_executor.layers.stored_weight import StoredTensor, StoredWeight
+from tests.model_executor.isas import TESTED_ISAS
 from tests.model_executor.stored_weights import (
     K_TYPES,
     QUANTIZABLE,
@@ -23,7 +24,7 @@ from tests.model_executor.stored_weights import (
 round_activations = native.round_rows
 
 
-@pytest.fixture(autouse=True, params=native.supported_isas())
+@pytest.fixture(autouse=True, params=TESTED_ISAS)
 def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("LLMSERVE_CPU_ISA", request.param)
     assert native.load_library() is not None, "the C kernels must build here"

@@ -18,6 +18,7 @@ from llmserve.model_executor.kernels import native
 from llmserve.model_executor.layers.linear import Linear, OneDNNKernel, StoredKernel
 from llmserve.model_executor.layers.stored_weight import StoredTensor, StoredWeight
 from llmserve.model_executor.quantization import requantize
+from tests.model_executor.isas import TESTED_ISAS
 from tests.model_executor.stored_weights import Q, cpu_plan, random_stored_tensor
 
 BLOCK_ROWS = native.BLOCK_GEMV_MAX_ROWS
@@ -98,7 +99,7 @@ def test_gguf_keeps_the_blocks_and_refuses_floats() -> None:
         requantize([blocks, random_stored_tensor(Q.F16, 8, 256)], "gguf", "layers.0.mlp.down_proj")
 
 
-@pytest.mark.parametrize("isa", native.supported_isas())
+@pytest.mark.parametrize("isa", TESTED_ISAS)
 @pytest.mark.parametrize("rows", [1, BLOCK_ROWS, BLOCK_ROWS + 1])
 def test_int8_activations_multiply_the_rounded_rows_at_every_batch_size(
     rows: int, isa: str, monkeypatch: pytest.MonkeyPatch
