@@ -108,10 +108,9 @@ class EngineCore:
         logits, the sampler's), and where the process keeps what it frees (`heap_reuse.py`, as
         `heap_kept` says) the heap the full step needs is made resident from that.
         """
-        runner, pool, config = self.model_runner, self.kv_cache_manager.block_pool, self._config
+        pool, config = self.kv_cache_manager.block_pool, self._config
         if self.limits.runner != "generate":
             return
-        assert isinstance(runner, ModelRunner)
         speculative = config.speculative_config
         rows = 1 + (0 if speculative is None else speculative.num_speculative_tokens)
         per_seq = cdiv(rows, self.limits.block_size)
