@@ -26,7 +26,9 @@ the plan. The rules, each with the reason it exists:
 - A decode-only step runs every layer in one C call (`decoder_step.c`) when every projection keeps a
   stored weight and the built model's layers are ones that kernel computes (`native_decoder.misfit`:
   one norm, layers of one shape, q/k norms in pairs, whole-head RoPE); a model it cannot run decodes
-  op by op, with the reason in the log, rather than failing the load.
+  op by op, with the reason in the log, rather than failing the load. A layer whose MLP is of a kind
+  the C lacks (`op_by_op_layers`) runs through PyTorch between the C calls over the layers around it.
+  The model runner takes the plan's choice for each step; the model never asks.
 - An encoder (BERT) multiplies whole prompts, hundreds of rows at once, and never decodes: its weights
   are dense, through oneDNN's pre-packed product on the CPU in fp32.
 """
@@ -73,6 +75,7 @@ class ExecutionPlan:
     fused_decode: bool  # decode-only steps through decoder_step.c
     reasons: tuple[str, ...]  # one line per decision that was not the fast path, for the log
     encoder: bool = False  # bidirectional, whole prompts: no KV cache, no decode
+    op_by_op_layers: tuple[int, ...] = ()  # with fused_decode, the layers that still decode in PyTorch
 
     @classmethod
     def decide(
@@ -136,6 +139,13 @@ class ExecutionPlan:
             self, fused_decode=False, reasons=(*self.reasons, f"{reason}: decodes run op by op")
         )
 
+    def with_op_by_op_layers(self, layers: tuple[int, ...], reason: str) -> ExecutionPlan:
+        """The plan once the built model turned out to have `layers` whose MLP decoder_step.c has no code
+        for (`reason`): the fused step runs the others, these through PyTorch between its calls."""
+        return dataclasses.replace(
+            self, op_by_op_layers=layers, reasons=(*self.reasons, f"{reason}: they decode op by op")
+        )
+
     def stored_product(self, rows: int) -> StoredProduct:
         """The kernel a stored weight multiplies `rows` rows with."""
         if not self.int8_activations:
@@ -175,9 +185,16 @@ class ExecutionPlan:
             lines += [
                 f"  decode attention: {self.decode_attention}; prefill attention: {self.prefill_attention};"
                 f" sampling's argmax: {self.argmax}",
-                "  decode-only steps: "
-                + ("every layer in one decoder_step.c call" if self.fused_decode else "op by op"),
+                f"  decode-only steps: {self._decode_steps()}",
                 f"  MLP act(gate) * up outside decoder_step.c: {self.gated_activation}",
             ]
         lines += [f"  because: {reason}" for reason in self.reasons]
         return lines
+
+    def _decode_steps(self) -> str:
+        if not self.fused_decode:
+            return "op by op"
+        if not self.op_by_op_layers:
+            return "every layer in one decoder_step.c call"
+        layers = ", ".join(map(str, self.op_by_op_layers))
+        return f"decoder_step.c, but layer(s) {layers} op by op between its calls"

@@ -26,8 +26,8 @@ from llmserve.model_executor.logits_processors import (
 )
 from llmserve.model_executor.models.causal_lm import KVCache
 from llmserve.model_executor.models.decoder_config import DecoderConfig
-from llmserve.model_executor.models.native_decoder import misfit
 from llmserve.model_executor.models.registry import model_class
+from llmserve.model_executor.native_decoder import NativeDecoder, misfit, op_by_op_layers
 from llmserve.model_executor.pooler import Pooler, PoolerConfig, PoolingSpan, vector_bytes
 from llmserve.model_executor.sampler import (
     Argmax,
@@ -81,10 +81,14 @@ class ModelRunner:
         model.load_weights(iter_weights(source, stored=self.plan.stored_weights))
         if self.plan.fused_decode and (why := misfit(model)) is not None:
             self.plan = self.plan.without_fused_decode(why)
+        elif self.plan.fused_decode and (layers := op_by_op_layers(model)):
+            self.plan = self.plan.with_op_by_op_layers(layers, "decoder_step.c lacks their MLPs' kind")
         for line in self.plan.describe():
             logger.info("%s", line)
         model.prepare_kernels(self.plan)
         self.model = model.eval()
+        # decode-only steps through decoder_step.c, where the plan says so (`_forward`)
+        self.native_decoder = NativeDecoder(model, self.plan) if self.plan.fused_decode else None
         self.kv_caches: list[KVCache] = []
         self.block_size = 0
         self.resident_blocks = 0
@@ -159,7 +163,7 @@ class ModelRunner:
         # Decode rows first: they are attended together as one batched decode.
         batch = sorted(scheduler_output.scheduled, key=lambda s: not _decodes(s))
         input_ids, positions, meta, sample_rows = self._prepare_inputs(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self._forward(input_ids, positions, meta)
         if self.pooler is not None:
             return ModelRunnerOutput({}, pooled=self._pool(batch, hidden, self.pooler))
         output = ModelRunnerOutput({})
@@ -170,6 +174,15 @@ class ModelRunner:
             rows = torch.tensor(sample_rows, device=self.device)
             self._sample(sampling, hidden[rows], output, grammar_bitmask)
         return output
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Hidden states after the final norm: a decode-only step through the fused decode step where the
+        plan has one, any other through the model's PyTorch forward."""
+        if self.native_decoder is not None and self.native_decoder.accepts(meta):
+            return self.native_decoder(self.model.embed(input_ids), positions, self.kv_caches, meta)
+        return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _sample(
         self,

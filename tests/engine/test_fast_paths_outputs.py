@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType
 from llmserve import LLM, RequestOutput, SamplingParams
 from llmserve.engine.input_processor import TokensPrompt
 from llmserve.model_executor.layers.linear import StoredKernel
+from llmserve.model_executor.layers.mlp import GatedMLP
 from llmserve.model_executor.models.llama import LlamaDecoderLayer
 from tests.engine.test_llm_batching import make_llm, runner_of
 from tests.fixtures.tiny_llama import VOCAB_SIZE, gguf_name, write_gguf
@@ -80,9 +81,9 @@ def test_gguf_block_kernels_give_the_torch_outputs(tiny_llama_hf_dir: Path, tmp_
             model = runner_of(llm).model
             # mypy sees an nn.ModuleList's items as plain Modules; the tiny Llama's are LlamaDecoderLayers
             layers = [cast(LlamaDecoderLayer, layer) for layer in model.layers]
-            kernels = [layer.mlp.down_proj.kernel for layer in layers] + [model.logits_kernel]
+            kernels = [cast(GatedMLP, layer.mlp).down_proj.kernel for layer in layers] + [model.logits_kernel]
             assert all(isinstance(k, StoredKernel) for k in kernels) == native_kernels
-            assert (model.native_decoder is not None) == native_kernels  # decode steps of <= 4 rows in C
+            assert (runner_of(llm).native_decoder is not None) == native_kernels  # decodes in C
             results[native_kernels] = llm.generate(prompts, params, use_tqdm=False)
             if not native_kernels:
                 assert_same_outputs(llm, results[True], results[False])
@@ -149,11 +150,11 @@ def test_gguf_int8_activations_are_the_same_at_every_batch_size(
         model = runner_of(llm).model
         # mypy sees an nn.ModuleList's items as plain Modules; the tiny Llama's are LlamaDecoderLayers
         layers = [cast(LlamaDecoderLayer, layer) for layer in model.layers]
-        kernels = [layer.mlp.down_proj.kernel for layer in layers] + [model.logits_kernel]
+        kernels = [cast(GatedMLP, layer.mlp).down_proj.kernel for layer in layers] + [model.logits_kernel]
         assert all(isinstance(k, StoredKernel) and k.plan.int8_activations for k in kernels)
         stored = {part.qtype for linear in model.linears() for part in linear.parts if part is not None}
         assert stored == {int(kind) for kind in kinds}  # as the file stores them
-        assert model.native_decoder is not None
+        assert runner_of(llm).native_decoder is not None
         assert_same_together_and_alone(llm, seed=13)
     finally:
         llm.shutdown()

@@ -21,6 +21,7 @@ from gguf import GGUFWriter
 
 from llmserve import LLM, RequestOutput, SamplingParams
 from llmserve.engine.input_processor import TokensPrompt
+from llmserve.model_executor.model_runner import ModelRunner
 from llmserve.scheduling.scheduler import ModelRunnerOutput, SchedulerOutput
 from tests.e2e.greedy_reference import Reference, assert_matches_hf, assert_top_logprobs_match, hf_greedy
 from tests.engine.test_llm_batching import assert_no_leaks, core_of, count_native_steps, make_llm
@@ -159,8 +160,8 @@ def test_a_layer_decoder_step_cannot_run_decodes_op_by_op(tmp_path: Path) -> Non
     llm = make_llm(write_tiny_model(tmp_path, "phi3_longrope"), dtype="float32")
     try:
         runner = core_of(llm).model_runner
+        assert isinstance(runner, ModelRunner) and runner.native_decoder is None
         assert runner.plan.stored_weights and not runner.plan.fused_decode
-        assert runner.model.native_decoder is None
         assert any("rotates part of each" in reason for reason in runner.plan.reasons), runner.plan.reasons
         output = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, greedy(), use_tqdm=False)[0]
         assert len(output.outputs[0].token_ids) == NUM_TOKENS

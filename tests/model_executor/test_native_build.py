@@ -83,11 +83,19 @@ def test_a_struct_that_drifted_from_c_is_caught(native_library: ctypes.CDLL) -> 
             ("extra", ctypes.c_int64),
         ]
 
-    assert structs.layout_mismatches(native_library, (Weight,)) == [
-        "Weight: ctypes 96, C 88",
-        "Weight.bias: ctypes 72, C 80",
-        "Weight.num_parts: ctypes 80, C 72",
-        "Weight.extra: ctypes 88, C -1",
+    assert structs.layout_mismatches(native_library, (Weight,), {}) == [
+        "Weight: Python 96, C 88",
+        "Weight.bias: Python 72, C 80",
+        "Weight.num_parts: Python 80, C 72",
+        "Weight.extra: Python 88, C -1",
+    ]
+
+
+def test_a_constant_that_drifted_from_c_is_caught(native_library: ctypes.CDLL) -> None:
+    drifted = {**structs.CONSTANTS, "MLP_GATED": 1, "MLP_SPARSE": 2}
+    assert structs.layout_mismatches(native_library, (), drifted) == [
+        "MLP_GATED: Python 1, C 0",
+        "MLP_SPARSE: Python 2, C -1",
     ]
 
 

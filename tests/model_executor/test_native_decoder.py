@@ -12,7 +12,9 @@ scale, bias or head mapping each fails by far more.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -20,10 +22,11 @@ import torch
 from llmserve.model_executor.attention import AttentionMetadata, PrefillChunk
 from llmserve.model_executor.kernels import native
 from llmserve.model_executor.layers.decoder_layer import KVCache
+from llmserve.model_executor.layers.mlp import GatedMLP
 from llmserve.model_executor.layers.stored_weight import StoredTensor
 from llmserve.model_executor.models.decoder_config import DecoderConfig
 from llmserve.model_executor.models.llama import LlamaForCausalLM
-from llmserve.model_executor.models.native_decoder import NativeDecoder
+from llmserve.model_executor.native_decoder import NativeDecoder, misfit, op_by_op_layers
 from tests.model_executor.fp64_llama import Fp64Llama, Weights
 from tests.model_executor.isas import TESTED_ISAS
 from tests.model_executor.stored_weights import K_TYPES, Q, cpu_plan, random_stored_tensor
@@ -103,16 +106,27 @@ def stored_checkpoint(config: DecoderConfig, storage: str) -> Weights:
     return weights
 
 
-def load_model(config: DecoderConfig, weights: Weights, quantization: str = "none") -> LlamaForCausalLM:
-    """The model over these weights, rounded as `quantization` asks, as the model runner does."""
+class Loaded(NamedTuple):
+    model: LlamaForCausalLM
+    decoder: NativeDecoder | None  # its decode steps through decoder_step.c, where the plan has them
+
+
+def load_model(
+    config: DecoderConfig, weights: Weights, quantization: str = "none", op_by_op: tuple[int, ...] = ()
+) -> Loaded:
+    """The model over these weights, rounded as `quantization` asks, and its fused decode step, as the
+    model runner builds them; `op_by_op`: layers the plan leaves to PyTorch within that step."""
     stored = any(isinstance(t, StoredTensor) for _, t in weights)
     model = LlamaForCausalLM(config, stored=stored)
     model.load_weights(weights)
-    model.prepare_kernels(cpu_plan(quantization, stored))
-    return model.eval()
+    plan = cpu_plan(quantization, stored)
+    if op_by_op:
+        plan = plan.with_op_by_op_layers(op_by_op, "a test's choice")
+    model.prepare_kernels(plan)
+    return Loaded(model.eval(), NativeDecoder(model, plan) if plan.fused_decode else None)
 
 
-def stored_model(attention_bias: bool, storage: str, quantization: str = "none") -> LlamaForCausalLM:
+def stored_model(attention_bias: bool, storage: str, quantization: str = "none") -> Loaded:
     config = tiny_config(attention_bias)
     return load_model(config, stored_checkpoint(config, storage), quantization)
 
@@ -163,9 +177,10 @@ class DecodeStep:
 
 
 def decode_step_both_ways(
-    model: LlamaForCausalLM, config: DecoderConfig, rows: int, cache_dtype: torch.dtype
+    loaded: Loaded, config: DecoderConfig, rows: int, cache_dtype: torch.dtype
 ) -> DecodeStep:
-    assert model.native_decoder is not None
+    model, decoder = loaded
+    assert decoder is not None
     gen = torch.Generator().manual_seed(rows)
     shape = (config.num_key_value_heads, NUM_BLOCKS, BLOCK_SIZE, config.head_dim)
     before = [
@@ -181,7 +196,7 @@ def decode_step_both_ways(
     positions = torch.tensor(lens) - 1
     caches = [(k.clone(), v.clone()) for k, v in before]
     plain_caches = [(k.clone(), v.clone()) for k, v in before]
-    fast = logits_of(model, model.native_decoder, ids, positions, caches, meta)
+    fast = logits_of(model, decoder, ids, positions, caches, meta)
     plain = logits_of(model, None, ids, positions, plain_caches, meta)
     return DecodeStep(before, lens, tables, meta, ids, fast, caches, plain, plain_caches)
 
@@ -210,9 +225,7 @@ def test_decode_step_over_a_filled_cache(
     the fp64 decoder's logits, and its new K and V in their slots and nowhere else."""
     config = tiny_config(attention_bias)
     weights = stored_checkpoint(config, storage)
-    model = load_model(config, weights, quantization)
-
-    step = decode_step_both_ways(model, config, rows, torch.float32)
+    step = decode_step_both_ways(load_model(config, weights, quantization), config, rows, torch.float32)
 
     before, lens, tables, meta, ids = step.before, step.lens, step.tables, step.meta, step.ids
     fast, caches, plain, plain_caches = step.fast, step.caches, step.plain, step.plain_caches
@@ -251,9 +264,7 @@ def test_decode_step_into_a_bf16_cache(rows: int, storage: str) -> None:
     fp32 values differ by a rounding, and attend alike to the rounded cache."""
     config = tiny_config(False)
     weights = stored_checkpoint(config, storage)
-    model = load_model(config, weights)
-
-    step = decode_step_both_ways(model, config, rows, torch.bfloat16)
+    step = decode_step_both_ways(load_model(config, weights), config, rows, torch.bfloat16)
 
     before, lens, tables, meta, ids = step.before, step.lens, step.tables, step.meta, step.ids
     fast, caches, plain, plain_caches = step.fast, step.caches, step.plain, step.plain_caches
@@ -292,13 +303,11 @@ def logits_of(
     caches: list[KVCache],
     meta: AttentionMetadata,
 ) -> torch.Tensor:
-    """The model's logits with `decoder` as its native decoder for this step."""
-    fused, model.native_decoder = model.native_decoder, decoder
-    try:
-        with torch.inference_mode():
-            return model.compute_logits(model(ids, positions, caches, meta))
-    finally:
-        model.native_decoder = fused
+    """The model's logits through `decoder` (a decode step in C), or through its PyTorch forward."""
+    with torch.inference_mode():
+        if decoder is not None:
+            return model.compute_logits(decoder(model.embed(ids), positions, caches, meta))
+        return model.compute_logits(model(ids, positions, caches, meta))
 
 
 def step_metadata(
@@ -356,9 +365,9 @@ def test_prefill_chunks_then_decodes(
     monkeypatch.setenv("LLMSERVE_CPU_ISA", isa)
     config = tiny_config(attention_bias, tied)
     weights = stored_checkpoint(config, storage)
-    model = load_model(config, weights)
+    model, fused = load_model(config, weights)
     native_decode = storage != "dense"  # as the model runner sets it
-    assert (model.native_decoder is not None) == native_decode
+    assert (fused is not None) == native_decode
     gen = torch.Generator().manual_seed(len(storage))
     tokens = [torch.randint(0, config.vocab_size, (n,), generator=gen) for n in (30, 12)]
     ref = Fp64Llama(config, weights)
@@ -373,14 +382,47 @@ def test_prefill_chunks_then_decodes(
         positions = torch.cat([torch.arange(*step[row]) for row in order])
         want = torch.cat([expected[row][slice(*step[row])] for row in order])
         # The last step both through decoder_step.c and through the layers, each from the same cache.
-        decoders = [model.native_decoder, None] if number == 2 and native_decode else [None]
+        decoders = [fused, None] if number == 2 and native_decode else [None]
         for decoder in decoders:
             step_caches = [(k.clone(), v.clone()) for k, v in caches] if len(decoders) > 1 else caches
             assert_logits_close(logits_of(model, decoder, ids, positions, step_caches, meta), want)
 
 
+@pytest.mark.parametrize("op_by_op", [(0,), (1,), (2,), (0, 2)])
+def test_layers_the_plan_leaves_to_pytorch_decode_between_the_c_calls(op_by_op: tuple[int, ...]) -> None:
+    """A decode step with some layers through their PyTorch forward and the others through decoder_step.c
+    (first, middle, last: the final norm then in PyTorch) gives the logits and cache writes of the step
+    through PyTorch alone."""
+    config = tiny_config(attention_bias=True)
+    weights = stored_checkpoint(config, "Q8_0")
+    loaded = load_model(config, weights, op_by_op=op_by_op)
+    assert loaded.decoder is not None
+    runs = itertools.groupby(range(config.num_hidden_layers), key=lambda i: i in op_by_op)
+    assert [run.spec is None for run in loaded.decoder.runs] == [in_pytorch for in_pytorch, _ in runs]
+
+    step = decode_step_both_ways(loaded, config, 5, torch.float32)
+
+    assert_logits_close(step.fast, step.plain.double())
+    for (k, v), (pk, pv) in zip(step.caches, step.plain_caches):
+        torch.testing.assert_close(k, pk, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, pv, rtol=1e-5, atol=1e-5)
+
+
+def test_a_layer_whose_mlp_the_c_lacks_is_planned_op_by_op() -> None:
+    class OpaqueMLP(GatedMLP):  # what an MLP without C code looks like to the plan
+        kind = None
+
+    model = stored_model(attention_bias=False, storage="Q8_0").model
+    assert op_by_op_layers(model) == () and misfit(model) is None
+    model.decoder_layers()[1].parts.mlp.__class__ = OpaqueMLP
+    assert op_by_op_layers(model) == (1,) and misfit(model) is None
+    for layer in model.decoder_layers():
+        layer.parts.mlp.__class__ = OpaqueMLP
+    assert misfit(model) == "decoder_step.c computes none of LlamaForCausalLM's MLPs"
+
+
 def test_steps_with_a_prefill_keep_the_torch_path() -> None:
-    decoder = stored_model(False, "F32", "int8").native_decoder
+    decoder = stored_model(False, "F32", "int8").decoder
     assert decoder is not None
     tables = torch.zeros(40, 2, dtype=torch.int64)
     assert decoder.accepts(decode_metadata([1] * 40, tables))
@@ -396,7 +438,7 @@ def test_a_stored_head_writes_sampled_logits_into_one_buffer() -> None:
     """A step's sampled logits reuse the model's buffer (a new tensor would be fresh pages every step)
     and equal the head's product computed on its own; other logits (prompt logprobs' chunks) do not
     grow it."""
-    model = stored_model(attention_bias=False, storage="Q8_0", quantization="gguf")
+    model = stored_model(attention_bias=False, storage="Q8_0", quantization="gguf").model
     assert model.logits_kernel is not None
     hidden = torch.randn(6, model.config.hidden_size)
     first = model.compute_logits(hidden, reuse=True)

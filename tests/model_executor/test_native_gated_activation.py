@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmserve.model_executor.kernels import native
-from llmserve.model_executor.layers.decoder_layer import Activation, torch_gated_activation
+from llmserve.model_executor.layers.mlp import Activation, torch_gated_activation
 
 ACTIVATIONS: list[Activation] = ["silu", "gelu_tanh"]
 

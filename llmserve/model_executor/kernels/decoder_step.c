@@ -5,8 +5,10 @@
  * one OpenMP parallel region, the threads meeting at a barrier after each projection. It computes the
  * layer of layers/decoder_layer.py from the same parts, the optional ones where the LayerSpec has them:
  * RMSNorm -> QKV -> (q/k norms) -> RoPE -> KV write -> paged attention (within the layer's sliding
- * window, if it has one) -> o_proj -> (norm) + residual -> RMSNorm -> gate/up -> act(gate) * up -> down
- * -> (norm) + residual, per layer, then the final RMSNorm.
+ * window, if it has one) -> o_proj -> (norm) + residual -> RMSNorm -> MLP -> (norm) + residual, per
+ * layer, then the final RMSNorm. The MLP is the layer's kind (LayerSpec.mlp_kind): MLP_GATED, gate/up ->
+ * act(gate) * up -> down, is the one it computes; the plan runs a layer of another kind through its
+ * PyTorch forward, between two calls over the layers around it (native_decoder.py).
  *
  * Every projection multiplies its weight in the stored format (weight_gemm.c). With int8 activations
  * (`--quantization gguf|int8|int4`) steps of up to `block_rows` rows multiply the blocks as integers
@@ -257,7 +259,7 @@ static void project_into_residual(const DecoderSpec *s, const Weight *p, Step *t
 /* One decoder layer; called by every thread of the parallel region. */
 static void layer_step(const DecoderSpec *s, const LayerSpec *layer, Step *t, float *x)
 {
-    const int64_t hidden = s->hidden, inter = s->intermediate, rows = t->rows;
+    const int64_t hidden = s->hidden, inter = layer->intermediate, rows = t->rows;
     const int64_t group = s->num_heads / s->num_kv_heads, q_size = s->num_heads * s->head_dim;
     const int64_t qkv_width = q_size + 2 * s->num_kv_heads * s->head_dim;
     norm_rows(s, x, layer->input_norm, rows, hidden, t->normed);
@@ -278,13 +280,23 @@ static void layer_step(const DecoderSpec *s, const LayerSpec *layer, Step *t, fl
     project_into_residual(s, &layer->o, t, layer->attn_out_norm, x);
     norm_rows(s, x, layer->post_norm, rows, hidden, t->normed);
     feed(s, t, t->normed, hidden);
-    gate_up_act(&layer->gate_up, t, inter, s->activation, t->wide);
+    gate_up_act(&layer->gate_up, t, inter, layer->activation, t->wide);
     feed(s, t, t->wide, inter);
     project_into_residual(s, &layer->down, t, layer->mlp_out_norm, x);
 }
 
-/* x: [rows, hidden], the embedded tokens, used as the residual stream (overwritten); out: [rows, hidden]
- * after the final norm. positions, slots, seq_lens: [rows]; block_tables: [rows, max_blocks].
+/* Whether decoder_step computes this layer's MLP at these rows: its kind, its activation, and, with int8
+ * activations, a width of whole blocks. */
+static int mlp_fits(const DecoderSpec *s, const LayerSpec *layer, int int8_inputs)
+{
+    return layer->mlp_kind == MLP_GATED && layer->intermediate >= 1 && layer->intermediate <= s->intermediate &&
+           (layer->activation == ACTIVATION_SILU || layer->activation == ACTIVATION_GELU_TANH) &&
+           !(int8_inputs && layer->intermediate % QK);
+}
+
+/* x: [rows, hidden], the embedded tokens (or the residual stream after the layers before these), used as
+ * the residual stream (overwritten); out: [rows, hidden] after the final norm, or the residual stream
+ * where the spec has none. positions, slots, seq_lens: [rows]; block_tables: [rows, max_blocks].
  * Returns 0, -1 for a shape it cannot take, -2 when out of memory, -3 for a position, slot, length or
  * block id out of bounds. */
 int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const int64_t *slots,
@@ -292,9 +304,11 @@ int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const
                  float *out, int num_threads)
 {
     const int read_blocks = s->int8_activations && rows <= s->block_rows;
-    if (rows < 1 || (read_blocks && rows > BLOCK_GEMV_MAX_ROWS) || (s->activation != 0 && s->activation != 1) ||
-        ((read_blocks || s->int8_activations) && (s->hidden % QK || s->intermediate % QK)))
+    if (rows < 1 || (read_blocks && rows > BLOCK_GEMV_MAX_ROWS) || (s->int8_activations && s->hidden % QK))
         return -1;
+    for (int64_t l = 0; l < s->num_layers; l++)
+        if (!mlp_fits(s, &s->layers[l], (int)s->int8_activations))
+            return -1;
     if (!tables_in_bounds(block_tables, seq_lens, rows, max_blocks, s->num_blocks, s->block_size))
         return -3;
     for (int64_t r = 0; r < rows; r++)
@@ -340,7 +354,10 @@ int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const
 #pragma omp parallel num_threads(num_threads)
         for (int64_t l = 0; l < s->num_layers; l++)
             layer_step(s, &s->layers[l], &t, x);
-        rms_norm(x, s->final_norm, s->norm_offset, rows, s->hidden, s->eps, out);
+        if (s->final_norm)
+            rms_norm(x, s->final_norm, s->norm_offset, rows, s->hidden, s->eps, out);
+        else
+            memcpy(out, x, sizeof(float) * (size_t)(rows * s->hidden));
     }
     free(t.normed);
     free(t.wide);

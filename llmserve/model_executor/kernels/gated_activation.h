@@ -10,15 +10,15 @@
 #include "kernels.h"
 #include "vector_exp.h"
 
-/* The gate's activation as x / (1 + e^-z): SiLU (activation 0) with z = x, tanh GELU (1) with
- * z = 2 sqrt(2 / pi) (x + 0.044715 x^3), since 0.5 (1 + tanh(u)) = 1 / (1 + e^-2u). The same function as
+/* The gate's activation as x / (1 + e^-z): SiLU (ACTIVATION_SILU) with z = x, tanh GELU
+ * (ACTIVATION_GELU_TANH) with z = 2 sqrt(2 / pi) (x + 0.044715 x^3), since 0.5 (1 + tanh(u)) = 1 / (1 + e^-2u). The same function as
  * PyTorch's, rounded otherwise (a vector e^x, not libm's tanhf and expf one value at a time). Below
  * z = -88, where e^-z would pass its clamp, it is x * 0 as PyTorch's is (-0.0; NaN at -inf). */
 #ifdef __AVX512F__
 static inline __m512 act16(__m512 x, int64_t activation)
 {
     __m512 z = x;
-    if (activation == 1)
+    if (activation == ACTIVATION_GELU_TANH)
         z = _mm512_mul_ps(_mm512_set1_ps(1.5957691216057308f),
                           _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), x), _mm512_mul_ps(x, x), x));
     const __m512 y =
@@ -31,7 +31,7 @@ static inline __m512 act16(__m512 x, int64_t activation)
 static inline __m256 act8(__m256 x, int64_t activation)
 {
     __m256 z = x;
-    if (activation == 1)
+    if (activation == ACTIVATION_GELU_TANH)
         z = _mm256_mul_ps(_mm256_set1_ps(1.5957691216057308f),
                           _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), x), _mm256_mul_ps(x, x), x));
     const __m256 y =
@@ -72,7 +72,8 @@ static inline void gated_act(const float *gate, const float *up, int64_t n, int6
 #else
     for (int64_t i = 0; i < n; i++) {
         const float x = gate[i];
-        const float z = activation == 1 ? 1.5957691216057308f * (0.044715f * x * (x * x) + x) : x;
+        const float z =
+            activation == ACTIVATION_GELU_TANH ? 1.5957691216057308f * (0.044715f * x * (x * x) + x) : x;
         h[i] = x / (1.0f + expf(-z)) * up[i];
     }
 #endif

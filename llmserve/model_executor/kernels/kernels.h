@@ -20,6 +20,11 @@
 #define QK_K 256 /* weights per super-block of the K types */
 #define BLOCK_GEMV_MAX_ROWS 16
 
+/* A layer's MLP as decoder_step.c computes it (LayerSpec.mlp_kind; layers/mlp.py's MLPKind), and its
+ * gate's activation (LayerSpec.activation; gated_activation.h). */
+enum { MLP_GATED = 0 };
+enum { ACTIVATION_SILU = 0, ACTIVATION_GELU_TANH = 1 };
+
 /* GGML type ids of the stored weights we read. */
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
        BF16 = 30 };
@@ -187,24 +192,27 @@ typedef struct {
     const float *q_norm, *k_norm;              /* [head_dim]: on each query and key head before RoPE, or NULL */
     const float *attn_out_norm, *mlp_out_norm; /* [hidden]: on the attention's and the MLP's outputs before
                                                   their residual adds, or NULL */
-    Weight qkv, o, gate_up, down;              /* gate_up: the gate's rows, then the up's */
+    Weight qkv, o;
+    int64_t mlp_kind;                          /* MLP_GATED: down(act(gate) * up) */
+    Weight gate_up, down;                      /* gate_up: the gate's rows, then the up's */
+    int64_t intermediate, activation;          /* the MLP's width; its gate's ACTIVATION_* */
     void *k_cache, *v_cache;                   /* [kv_heads, num_blocks, block_size, head_dim], kv_bf16 */
     int64_t sliding_window;                    /* keys a query sees, its own included; 0: the whole sequence */
     const float *rope_cos, *rope_sin;          /* this layer's tables, [max_positions, head_dim / 2] */
 } LayerSpec;
 
 typedef struct {
-    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim;
+    int64_t intermediate;     /* the widest layer's MLP */
     int64_t num_blocks, block_size;
     int64_t kv_bf16;          /* the caches hold bf16 (--kv-cache-dtype bfloat16), else fp32 */
     int64_t int8_activations; /* round each projection's input as block_q8.c does */
     int64_t block_rows;       /* with int8 activations, steps of up to this many rows go to block_q8.c */
-    int64_t activation;       /* of the MLP's gate: 0 SiLU, 1 tanh GELU */
     int64_t rope_positions;   /* rows of every layer's RoPE tables */
     float eps, scale;
     float norm_offset;        /* every norm multiplies by (norm_offset + w): 1 for Gemma, else 0 */
     const LayerSpec *layers;
-    const float *final_norm;
+    const float *final_norm;  /* NULL: the layers are not the model's last; `out` gets the residual stream */
 } DecoderSpec;
 
 /* paged_attention.c: whether each of `rows` sequences has a length in [1, max_blocks * block_size] and the

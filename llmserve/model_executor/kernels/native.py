@@ -32,6 +32,8 @@ import torch
 
 from llmserve.model_executor.kernels.build import BuildError, build, cache_dir
 from llmserve.model_executor.kernels.structs import (
+    ACTIVATIONS,
+    BLOCK_GEMV_MAX_ROWS,
     MAX_WEIGHT_PARTS,
     DecoderSpec,
     LayerSpec,
@@ -40,7 +42,16 @@ from llmserve.model_executor.kernels.structs import (
     layout_mismatches,
 )
 
-__all__ = ["MAX_WEIGHT_PARTS", "DecoderSpec", "LayerSpec", "Weight", "WeightPart", "cache_dir"]
+__all__ = [
+    "ACTIVATIONS",
+    "BLOCK_GEMV_MAX_ROWS",
+    "MAX_WEIGHT_PARTS",
+    "DecoderSpec",
+    "LayerSpec",
+    "Weight",
+    "WeightPart",
+    "cache_dir",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +113,7 @@ def _load(isa: str) -> ctypes.CDLL | None:
         return None
     mismatches = layout_mismatches(library)
     if mismatches:  # a bug in this package, not the machine: never a silent fallback
-        raise RuntimeError(f"The ctypes structs differ from the C ones: {'; '.join(mismatches)}.")
+        raise RuntimeError(f"The ctypes structs or constants differ from C's: {'; '.join(mismatches)}.")
     logger.info("Native kernels: %s build.", isa)
     library.kernels_isa.restype = ctypes.c_char_p
     library.paged_decode_attention.argtypes = [_PTR] * 6 + [_I64] * 9 + [ctypes.c_float, ctypes.c_int]
@@ -301,10 +312,6 @@ def prefill_attention(
     return out.to(q_dtype)
 
 
-BLOCK_GEMV_MAX_ROWS = 16
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the MLP gate's, as gated_activation.h numbers them
-
-
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) of x [rows, n] fp32 (n >= 1) as [rows] int64: the same indices, ties and NaNs
     included, read with vectors (argmax.c)."""
@@ -464,13 +471,14 @@ def weight_gemm(
 
 def decoder_step(
     spec: DecoderSpec,
-    x: torch.Tensor,  # [rows, hidden] fp32, the embedded tokens; overwritten
+    x: torch.Tensor,  # [rows, hidden] fp32, the embedded tokens or the layers' before; overwritten
     positions: torch.Tensor,  # [rows] int64
     slots: torch.Tensor,  # [rows] int64
     block_tables: torch.Tensor,  # [rows, max_blocks] int64
     seq_lens: torch.Tensor,  # [rows] int64, including the new token
 ) -> torch.Tensor:
-    """Hidden states [rows, hidden] after the final norm; writes each layer's new K and V to the cache."""
+    """Hidden states [rows, hidden] after the spec's layers and the final norm (the residual stream where
+    the spec has none); writes each layer's new K and V to the cache."""
     library = _library()
     _check("x", x, torch.float32, 2)
     if x.shape[1] != spec.hidden:

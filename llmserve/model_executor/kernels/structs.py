@@ -1,18 +1,38 @@
-"""The structs passed to the C kernels through ctypes, and the check that they match the C layout.
+"""The structs and constants passed to the C kernels through ctypes, and the check that they match C's.
 
-A ctypes Structure is a second declaration of a C struct: a field added, moved or retyped on one side
-only would make the kernels read the wrong bytes without any error. `layout_mismatches` compares the
-sizes and offsets ctypes computes with those layout.c reports from the compiler.
+A ctypes Structure is a second declaration of a C struct, and a constant here a second definition of
+kernels.h's: a field added, moved or retyped on one side only, or a value changed, would make the
+kernels read the wrong bytes or take the wrong branch without any error. `layout_mismatches` compares
+the sizes, offsets and values Python has with those layout.c reports from the compiler.
 """
 
 from __future__ import annotations
 
 import ctypes
+import enum
 
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
 MAX_WEIGHT_PARTS = 3
+BLOCK_GEMV_MAX_ROWS = 16  # block_q8.c's most rows
+
+
+class MLPKind(enum.IntEnum):
+    """A layer's MLP as decoder_step.c computes it (LayerSpec.mlp_kind)."""
+
+    GATED = 0  # down(act(gate) * up): MLP_GATED
+
+
+# The MLP gate's activation (LayerSpec.activation, gated_activation.c's argument): ACTIVATION_*.
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+# Python's value of each constant of kernels.h it mirrors.
+CONSTANTS = {
+    "MLP_GATED": MLPKind.GATED,
+    "ACTIVATION_SILU": ACTIVATIONS["silu"],
+    "ACTIVATION_GELU_TANH": ACTIVATIONS["gelu_tanh"],
+    "BLOCK_GEMV_MAX_ROWS": BLOCK_GEMV_MAX_ROWS,
+}
 
 
 class WeightPart(ctypes.Structure):
@@ -30,7 +50,11 @@ class LayerSpec(ctypes.Structure):
     _fields_ = [
         *((name, _PTR) for name in ("input_norm", "post_norm", "q_norm", "k_norm")),
         *((name, _PTR) for name in ("attn_out_norm", "mlp_out_norm")),  # the optional ones may be NULL
-        *((name, Weight) for name in ("qkv", "o", "gate_up", "down")),
+        *((name, Weight) for name in ("qkv", "o")),
+        ("mlp_kind", _I64),  # MLPKind
+        *((name, Weight) for name in ("gate_up", "down")),
+        ("intermediate", _I64),
+        ("activation", _I64),  # ACTIVATIONS
         ("k_cache", _PTR),
         ("v_cache", _PTR),
         ("sliding_window", _I64),  # keys a query sees, its own included; 0: the whole sequence
@@ -45,17 +69,16 @@ class DecoderSpec(ctypes.Structure):
 
     _fields_ = [
         *((name, _I64) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim")),
-        *((name, _I64) for name in ("intermediate", "num_blocks", "block_size")),
+        *((name, _I64) for name in ("intermediate", "num_blocks", "block_size")),  # the widest MLP
         ("kv_bf16", _I64),  # the caches hold bf16 (--kv-cache-dtype bfloat16), else fp32
         ("int8_activations", _I64),
         ("block_rows", _I64),
-        ("activation", _I64),  # 0 SiLU, 1 tanh GELU
         ("rope_positions", _I64),  # rows of every layer's RoPE tables
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("norm_offset", ctypes.c_float),
         ("layers", ctypes.POINTER(LayerSpec)),
-        ("final_norm", _PTR),
+        ("final_norm", _PTR),  # NULL: not the last layers; the residual stream is the output
     ]
 
 
@@ -63,19 +86,22 @@ STRUCTS: tuple[type[ctypes.Structure], ...] = (WeightPart, Weight, LayerSpec, De
 
 
 def layout_mismatches(
-    library: ctypes.CDLL, structs: tuple[type[ctypes.Structure], ...] = STRUCTS
+    library: ctypes.CDLL,
+    structs: tuple[type[ctypes.Structure], ...] = STRUCTS,
+    constants: dict[str, int] = CONSTANTS,
 ) -> list[str]:
-    """Each size or field offset of `structs` that differs from the C struct of the same name (-1: C has
-    no such struct or field); empty when they all agree."""
+    """Each size or field offset of `structs`, and each value of `constants`, that differs from C's of the
+    same name (-1: C has no such name); empty when they all agree."""
     layout = library.struct_layout
     layout.argtypes, layout.restype = [ctypes.c_char_p], _I64
-    found = []
+    expected = {name: int(value) for name, value in constants.items()}
     for struct in structs:
-        expected = {struct.__name__: ctypes.sizeof(struct)}
+        expected[struct.__name__] = ctypes.sizeof(struct)
         for field, *_ in struct._fields_:
             expected[f"{struct.__name__}.{field}"] = getattr(struct, field).offset
-        for name, python in expected.items():
-            c = layout(name.encode())
-            if c != python:
-                found.append(f"{name}: ctypes {python}, C {c}")
+    found = []
+    for name, python in expected.items():
+        c = layout(name.encode())
+        if c != python:
+            found.append(f"{name}: Python {python}, C {c}")
     return found

@@ -1,28 +1,27 @@
 """One pre-norm decoder layer, the arrangement every architecture in `models/` shares; each names its parts.
 
     x → input_norm → QKV → (q_norm, k_norm per head) → RoPE → paged attention (maybe windowed) → o
-      → (attn_out_norm) → + x → mlp_norm → gate/up → act(gate) * up → down → (mlp_out_norm) → + x
+      → (attn_out_norm) → + x → mlp_norm → mlp → (mlp_out_norm) → + x
 
 Llama, Mistral, Qwen2 and Phi-3 have no q/k or output norms and use SiLU; Qwen3 adds the q/k norms;
-Gemma 3 has them all, with (1 + w) norms and tanh GELU. An architecture's layer builds its parts under
-its checkpoint's names and hands them over as `LayerParts`: this forward and the fused decode step
-(`models/native_decoder.py` → `kernels/decoder_step.c`) both compute from those same parts, so a layer
-is defined once.
+Gemma 3 has them all, with (1 + w) norms and tanh GELU. The MLP is a role (`layers/mlp.py`): dense
+act(gate) * up → down in every architecture today, another module for an MoE block. An architecture's
+layer builds its parts under its checkpoint's names and hands them over as `LayerParts`: this forward
+and the fused decode step (`native_decoder.py` → `kernels/decoder_step.c`) both compute from
+those same parts, so a layer is defined once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model_executor.attention import AttentionMetadata, paged_attention
-from llmserve.model_executor.kernels import native
 from llmserve.model_executor.layers.linear import Linear
+from llmserve.model_executor.layers.mlp import MLP
 from llmserve.model_executor.layers.rotary_embedding import RopeAngles, RotaryEmbedding, apply_rope
 
 if TYPE_CHECKING:
@@ -30,16 +29,6 @@ if TYPE_CHECKING:
     from llmserve.model_executor.models.decoder_config import DecoderConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [kv_heads, num_blocks, block_size, head_dim]
-Activation = Literal["silu", "gelu_tanh"]
-# gate_up [rows, 2 * inter] (each row's gate, then its up) → act(gate) * up [rows, inter]
-GatedActivation = Callable[[torch.Tensor, Activation], torch.Tensor]
-
-
-def torch_gated_activation(gate_up: torch.Tensor, activation: Activation) -> torch.Tensor:
-    """act(gate) * up in PyTorch, for where the plan has no C kernels (GPUs, bf16)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
-    return act.mul_(up)
 
 
 @dataclass
@@ -50,8 +39,7 @@ class LayerParts:
     qkv: Linear  # the queries' rows, then the keys', then the values'
     o: Linear
     mlp_norm: nn.Module
-    gate_up: Linear  # the gate's rows, then the up's
-    down: Linear
+    mlp: MLP
     rotary: RotaryEmbedding  # shared between layers that use the same tables
     q_norm: nn.Module | None = None  # over each head's head_dim, before RoPE
     k_norm: nn.Module | None = None
@@ -64,24 +52,18 @@ class LayerShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    intermediate_size: int
     scale: float  # of the attention scores
     sliding_window: int | None
-    activation: Activation
 
     @classmethod
-    def of(
-        cls, config: DecoderConfig, layer: int, activation: Activation = "silu", scale: float | None = None
-    ) -> LayerShape:
+    def of(cls, config: DecoderConfig, layer: int, scale: float | None = None) -> LayerShape:
         """Layer `layer` of a model of this config; `scale` defaults to head_dim ** -0.5."""
         return cls(
             num_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
-            intermediate_size=config.intermediate_size,
             scale=config.head_dim**-0.5 if scale is None else scale,
             sliding_window=config.layer_window(layer),
-            activation=activation,
         )
 
 
@@ -90,12 +72,10 @@ class DecoderLayer(nn.Module):
 
     parts: LayerParts
     shape: LayerShape
-    gated_activation: GatedActivation = staticmethod(torch_gated_activation)  # until `prepare`
 
     def prepare(self, plan: ExecutionPlan) -> None:
         """The kernels the plan gives the layer's own ops (its projections prepare themselves)."""
-        c_kernel = plan.gated_activation == "gated_activation.c"
-        self.gated_activation = native.gated_activation if c_kernel else torch_gated_activation
+        self.parts.mlp.prepare(plan)
 
     def forward(
         self, rope: RopeAngles, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -114,5 +94,5 @@ class DecoderLayer(nn.Module):
         # In place on the new tensors a product or a norm returned: a prefill step's [tokens, width]
         # temporaries are megabytes each, and every one allocated is written and faulted in again.
         x = (out if p.attn_out_norm is None else p.attn_out_norm(out)).add_(x)
-        out = p.down(self.gated_activation(p.gate_up(p.mlp_norm(x)), s.activation))
+        out = p.mlp(p.mlp_norm(x))
         return (out if p.mlp_out_norm is None else p.mlp_out_norm(out)).add_(x)

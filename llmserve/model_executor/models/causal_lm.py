@@ -25,7 +25,6 @@ from llmserve.model_executor.layers.linear import Linear, LinearKernel, StoredKe
 from llmserve.model_executor.layers.rotary_embedding import RopeAngles, RotaryEmbedding
 from llmserve.model_executor.layers.stored_weight import StoredTensor, StoredWeight
 from llmserve.model_executor.models.decoder_config import DecoderConfig
-from llmserve.model_executor.models.native_decoder import NativeDecoder
 from llmserve.model_executor.quantization import requantize
 
 __all__ = ["KVCache", "CausalLM"]
@@ -72,7 +71,6 @@ class CausalLM(nn.Module):
         # A stored head's products write a step's sampled logits here, not into a new tensor: at 64 rows
         # of a 262,144-token vocabulary a new one is 67 MB of fresh pages, faulted in at every step.
         self.logits_buffer = torch.empty(0)
-        self.native_decoder: NativeDecoder | None = None  # decode steps in C, when the plan says so
 
     @classmethod
     def gguf_tensor(cls, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -99,8 +97,6 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden_size] after the final norm."""
         x = self.embed(input_ids)
-        if self.native_decoder is not None and self.native_decoder.accepts(meta):
-            return self.native_decoder(x, positions, kv_caches, meta)
         angles: dict[int, RopeAngles] = {}  # each table's rows for these positions, looked up once
         for layer, kv_cache in zip(self.decoder_layers(), kv_caches):
             rotary = layer.parts.rotary
@@ -158,7 +154,6 @@ class CausalLM(nn.Module):
             self.logits_kernel = StoredKernel(StoredWeight([head], None), plan)
         else:
             self.logits_kernel = dense_kernel(self.embed_tokens.weight, None, plan)
-        self.native_decoder = NativeDecoder(self, plan) if plan.fused_decode else None
 
     def shard_sizes(self, fused: str) -> list[int]:
         """The rows of each checkpoint shard of a fused projection."""

@@ -20,10 +20,11 @@ from torch import nn
 
 from llmserve.model_executor.layers.decoder_layer import DecoderLayer, LayerParts, LayerShape
 from llmserve.model_executor.layers.layernorm import RMSNorm
+from llmserve.model_executor.layers.mlp import GatedMLP
 from llmserve.model_executor.layers.rotary_embedding import RotaryEmbedding
 from llmserve.model_executor.models.causal_lm import CausalLM
 from llmserve.model_executor.models.decoder_config import DecoderConfig, gguf_fields
-from llmserve.model_executor.models.llama import LLAMA_FUSED_SHARDS, LlamaAttention, LlamaMLP
+from llmserve.model_executor.models.llama import LLAMA_FUSED_SHARDS, LlamaAttention
 
 if TYPE_CHECKING:
     from llmserve.model_executor.loader.gguf_file import GGUFHeader
@@ -174,22 +175,21 @@ class Gemma3DecoderLayer(DecoderLayer):
         self.self_attn = Gemma3Attention(config, stored)
         self.post_attention_layernorm = _norm(config.hidden_size, config)
         self.pre_feedforward_layernorm = _norm(config.hidden_size, config)
-        self.mlp = LlamaMLP(config, stored)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, "gelu_tanh", stored)
         self.post_feedforward_layernorm = _norm(config.hidden_size, config)
         self.parts = LayerParts(
             input_norm=self.input_layernorm,
             qkv=self.self_attn.qkv_proj,
             o=self.self_attn.o_proj,
             mlp_norm=self.pre_feedforward_layernorm,
-            gate_up=self.mlp.gate_up_proj,
-            down=self.mlp.down_proj,
+            mlp=self.mlp,
             rotary=rotary,
             q_norm=self.self_attn.q_norm,
             k_norm=self.self_attn.k_norm,
             attn_out_norm=self.post_attention_layernorm,
             mlp_out_norm=self.post_feedforward_layernorm,
         )
-        self.shape = LayerShape.of(config, layer, "gelu_tanh", scale=config.query_pre_attn_scalar**-0.5)
+        self.shape = LayerShape.of(config, layer, scale=config.query_pre_attn_scalar**-0.5)
 
 
 class Gemma3ForCausalLM(CausalLM):

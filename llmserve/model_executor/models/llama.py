@@ -12,6 +12,7 @@ from torch import nn
 from llmserve.model_executor.layers.decoder_layer import DecoderLayer, LayerParts, LayerShape
 from llmserve.model_executor.layers.layernorm import RMSNorm
 from llmserve.model_executor.layers.linear import Linear
+from llmserve.model_executor.layers.mlp import MLP, GatedMLP
 from llmserve.model_executor.layers.rotary_embedding import RotaryEmbedding
 from llmserve.model_executor.models.causal_lm import CausalLM
 from llmserve.model_executor.models.decoder_config import DecoderConfig
@@ -40,14 +41,9 @@ class LlamaAttention(nn.Module):
         self.k_norm: nn.Module | None = None
 
 
-class LlamaMLP(nn.Module):
-    """Gate-up and down projections; `shards`: the checkpoint's tensors gate-up is made of."""
-
-    def __init__(self, config: DecoderConfig, stored: bool, shards: int = 2) -> None:
-        super().__init__()
-        width = 2 * config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, width, False, stored, shards=shards)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, stored)
+def llama_mlp(config: DecoderConfig, stored: bool, shards: int = 2) -> GatedMLP:
+    """SwiGLU; `shards`: the checkpoint's tensors gate-up is made of."""
+    return GatedMLP(config.hidden_size, config.intermediate_size, "silu", stored, shards)
 
 
 class LlamaDecoderLayer(DecoderLayer):
@@ -55,12 +51,7 @@ class LlamaDecoderLayer(DecoderLayer):
     where it differs (Qwen3's q/k norms, Phi-3's single-tensor projections)."""
 
     def __init__(
-        self,
-        config: DecoderConfig,
-        layer: int,
-        rotary: RotaryEmbedding,
-        self_attn: LlamaAttention,
-        mlp: LlamaMLP,
+        self, config: DecoderConfig, layer: int, rotary: RotaryEmbedding, self_attn: LlamaAttention, mlp: MLP
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -72,8 +63,7 @@ class LlamaDecoderLayer(DecoderLayer):
             qkv=self_attn.qkv_proj,
             o=self_attn.o_proj,
             mlp_norm=self.post_attention_layernorm,
-            gate_up=mlp.gate_up_proj,
-            down=mlp.down_proj,
+            mlp=mlp,
             rotary=rotary,
             q_norm=self_attn.q_norm,
             k_norm=self_attn.k_norm,
@@ -100,5 +90,5 @@ class LlamaForCausalLM(CausalLM):
     def make_layer(self, config: DecoderConfig, stored: bool, layer: int) -> LlamaDecoderLayer:
         """Layer `layer`; an architecture that differs from Llama only inside its attention or MLP
         overrides this."""
-        attention, mlp = LlamaAttention(config, stored), LlamaMLP(config, stored)
+        attention, mlp = LlamaAttention(config, stored), llama_mlp(config, stored)
         return LlamaDecoderLayer(config, layer, self.rotary, attention, mlp)

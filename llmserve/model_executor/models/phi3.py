@@ -16,7 +16,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 from llmserve.model_executor.layers.rotary_embedding import RotaryEmbedding
 from llmserve.model_executor.models.decoder_config import DecoderConfig
-from llmserve.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from llmserve.model_executor.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    llama_mlp,
+)
 
 if TYPE_CHECKING:
     from llmserve.model_executor.loader.gguf_file import GGUFHeader
@@ -70,5 +75,5 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         )
 
     def make_layer(self, config: DecoderConfig, stored: bool, layer: int) -> LlamaDecoderLayer:
-        attention, mlp = LlamaAttention(config, stored, shards=1), LlamaMLP(config, stored, shards=1)
+        attention, mlp = LlamaAttention(config, stored, shards=1), llama_mlp(config, stored, shards=1)
         return LlamaDecoderLayer(config, layer, self.rotary, attention, mlp)

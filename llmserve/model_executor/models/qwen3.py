@@ -10,7 +10,12 @@ from __future__ import annotations
 from llmserve.model_executor.layers.layernorm import RMSNorm
 from llmserve.model_executor.models.causal_lm import LLAMA_GGUF_LAYER_NAMES
 from llmserve.model_executor.models.decoder_config import DecoderConfig
-from llmserve.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from llmserve.model_executor.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    llama_mlp,
+)
 
 
 class Qwen3Attention(LlamaAttention):
@@ -30,5 +35,5 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     }
 
     def make_layer(self, config: DecoderConfig, stored: bool, layer: int) -> LlamaDecoderLayer:
-        attention, mlp = Qwen3Attention(config, stored), LlamaMLP(config, stored)
+        attention, mlp = Qwen3Attention(config, stored), llama_mlp(config, stored)
         return LlamaDecoderLayer(config, layer, self.rotary, attention, mlp)
