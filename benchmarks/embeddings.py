@@ -12,7 +12,7 @@ official openai client asks for), and decodes every vector. The clock runs from 
 the last vector, so tokenizing, HTTP and JSON count, and the client shares the machine with the
 server. sentence-transformers: `SentenceTransformer(folder).encode(sentences, batch_size=32)` on N
 torch threads in its own interpreter (`--st-python`, a virtual environment with sentence-transformers;
-see `benchmarks/peer_runner.py`), after a warm-up batch, as its users call it: it sorts the sentences
+see `benchmarks/common/peer_runner.py`), after a warm-up batch, as its users call it: it sorts the sentences
 by length and pads each batch to its longest. Both read the same HF folder. Sentence lengths stay
 within the model's 256 tokens, so neither truncates.
 """
@@ -29,10 +29,10 @@ from dataclasses import asdict, dataclass
 import httpx
 import numpy as np
 
-from benchmarks.machine import warn_if_busy
-from benchmarks.peers import engine_threads, interpreter_with, run_peer
-from benchmarks.results import add_json_arg, write_results
-from benchmarks.servers import free_port, llmserve_command, running
+from benchmarks.common.machine import warn_if_busy
+from benchmarks.common.peers import engine_threads, interpreter_with, run_peer
+from benchmarks.common.results import add_json_arg, write_results
+from benchmarks.common.servers import free_port, llmserve_command, running
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 # fmt: off

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.machine import warn_if_busy
-from benchmarks.peers import executable, gguf_of, run_batched_bench
-from benchmarks.results import add_json_arg, write_results
+from benchmarks.common.machine import warn_if_busy
+from benchmarks.common.peers import executable, gguf_of, run_batched_bench
+from benchmarks.common.results import add_json_arg, write_results
 from llmserve import LLM, AsyncLLM, RequestOutputKind, SamplingParams
 from llmserve.engine.input_processor import TokensPrompt
 

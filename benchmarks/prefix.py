@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.machine import warn_if_busy
-from benchmarks.results import add_json_arg, write_results
+from benchmarks.common.machine import warn_if_busy
+from benchmarks.common.results import add_json_arg, write_results
 from llmserve import AsyncLLM, RequestOutputKind, SamplingParams
 from llmserve.engine.input_processor import TokensPrompt
 from llmserve.engine.messages import SchedulerStats

@@ -31,7 +31,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no screen
 from matplotlib import pyplot as plt  # noqa: E402
 
-from benchmarks.results import portable_command  # noqa: E402
+from benchmarks.common.results import portable_command  # noqa: E402
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 BENCHMARKS = ("throughput", "latency", "serving", "prefix")

@@ -47,10 +47,16 @@ import httpx
 import numpy as np
 import psutil
 
-from benchmarks.machine import warn_if_busy
-from benchmarks.peers import engine_threads, executable, gguf_of, interpreter_with
-from benchmarks.results import add_json_arg, write_results
-from benchmarks.servers import free_port, llama_cpp_command, llama_server_command, llmserve_command, running
+from benchmarks.common.machine import warn_if_busy
+from benchmarks.common.peers import engine_threads, executable, gguf_of, interpreter_with
+from benchmarks.common.results import add_json_arg, write_results
+from benchmarks.common.servers import (
+    free_port,
+    llama_cpp_command,
+    llama_server_command,
+    llmserve_command,
+    running,
+)
 
 # fmt: off
 WORDS = [

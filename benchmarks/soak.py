@@ -7,13 +7,13 @@ first) and every --sample-every after, and the run passes when the last sample i
 collector, a dropped stream's state) grows with every one of them.
 
 By time (--duration SECONDS): an open-loop load at --overload (2) times the capacity a short probe
-measures first (or at --rate requests/s), so the queue builds; see benchmarks/soak_duration.py.
+measures first (or at --rate requests/s), so the queue builds; see benchmarks/common/soak_duration.py.
 
     .venv/bin/python -m benchmarks.soak                                  # the default model
     .venv/bin/python -m benchmarks.soak --model qwen2.5-coder-0.5b-instruct --num-requests 500
     .venv/bin/python -m benchmarks.soak --duration 1200 --json benchmarks/results/soak.json
 
-The shapes, drawn from a seeded generator (benchmarks/soak_mix.py): completions and chat completions,
+The shapes, drawn from a seeded generator (benchmarks/common/soak_mix.py): completions and chat completions,
 streamed or not; prompts of 2-400 words, and now and then one near --max-model-len; 1-48 output
 tokens; n = 2 now and then, logprobs now and then; some streams dropped by the client after their
 first chunk (the server must abort them); some requests invalid (a 400 expected). After the load,
@@ -34,11 +34,19 @@ from dataclasses import asdict, dataclass, field
 import httpx
 import psutil
 
-from benchmarks.machine import warn_if_busy
-from benchmarks.results import add_json_arg, write_results
-from benchmarks.servers import free_port, llmserve_command, running
-from benchmarks.soak_duration import add_duration_args, run_for_duration
-from benchmarks.soak_mix import SHED, Shape, draw_shape, long_prompt_ids, parse_gauges, process_rss, send
+from benchmarks.common.machine import warn_if_busy
+from benchmarks.common.results import add_json_arg, write_results
+from benchmarks.common.servers import free_port, llmserve_command, running
+from benchmarks.common.soak_duration import add_duration_args, run_for_duration
+from benchmarks.common.soak_mix import (
+    SHED,
+    Shape,
+    draw_shape,
+    long_prompt_ids,
+    parse_gauges,
+    process_rss,
+    send,
+)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 WARMUP_REQUESTS = 100

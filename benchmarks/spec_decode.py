@@ -48,9 +48,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.machine import describe, warn_if_busy
-from benchmarks.peers import engine_threads
-from benchmarks.results import add_json_arg, write_results
+from benchmarks.common.machine import describe, warn_if_busy
+from benchmarks.common.peers import engine_threads
+from benchmarks.common.results import add_json_arg, write_results
 from llmserve import LLM, RequestOutput, SamplingParams
 from llmserve.config import SpeculativeConfig
 from llmserve.engine.core_client import InprocClient

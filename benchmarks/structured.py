@@ -31,9 +31,9 @@ import httpx
 import numpy as np
 import torch
 
-from benchmarks.machine import warn_if_busy
-from benchmarks.results import add_json_arg, write_results
-from benchmarks.servers import free_port, llmserve_command, running
+from benchmarks.common.machine import warn_if_busy
+from benchmarks.common.results import add_json_arg, write_results
+from benchmarks.common.servers import free_port, llmserve_command, running
 from benchmarks.serving import WORDS, Report, RequestResult, discover_model, print_reports, stream_one
 from llmserve.model_executor.loader import load_tokenizer, resolve_model
 from llmserve.model_executor.loader.tokenizer import eos_token_ids

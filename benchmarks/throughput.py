@@ -13,7 +13,7 @@ The workload: prompts of random token ids, lengths uniform in [--min-input, --ma
 generating exactly --output-len tokens (ignore_eos; llama.cpp's `generate()` never stops by itself).
 A peer that is not installed (or fails) is skipped with the reason. llama-cpp-python and vLLM run in
 their own interpreter (`--llama-cpp-python`, `--vllm-python`; by default this one, if it has them),
-through benchmarks/peer_runner.py, with as many threads as our engine. "Same weights" means the same
+through benchmarks/common/peer_runner.py, with as many threads as our engine. "Same weights" means the same
 file: llmserve and HF dequantize the GGUF to --dtype, llama.cpp computes on its quantized blocks, and
 vLLM (which reads no GGUF) loads it dequantized to fp32 safetensors, written once to the temp folder.
 
@@ -51,8 +51,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from benchmarks.machine import warn_if_busy
-from benchmarks.peers import (
+from benchmarks.common.machine import warn_if_busy
+from benchmarks.common.peers import (
     BatchedBenchRow,
     engine_threads,
     executable,
@@ -62,7 +62,7 @@ from benchmarks.peers import (
     run_batched_bench,
     run_peer,
 )
-from benchmarks.results import add_json_arg, write_results
+from benchmarks.common.results import add_json_arg, write_results
 from benchmarks.soak import settled_rss
 from llmserve import LLM, RequestOutput, RequestOutputKind, SamplingParams
 from llmserve.config import EngineArgs

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks import peer_runner
+from benchmarks.common import peer_runner
 from benchmarks.embeddings import LENGTH_MIX, Result, Workload, batches, decode_vectors, report
 from llmserve.model_executor.loader import load_tokenizer, resolve_model
 

@@ -9,8 +9,8 @@ from typing import Any, cast
 
 import pytest
 
-from benchmarks.peers import BatchedBenchRow, batched_bench_command, executable, parse_batched_bench
-from benchmarks.servers import llama_server_command
+from benchmarks.common.peers import BatchedBenchRow, batched_bench_command, executable, parse_batched_bench
+from benchmarks.common.servers import llama_server_command
 from benchmarks.serving import Report, print_reports
 from benchmarks.throughput import Timing, Workload, report_batched_bench
 

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from benchmarks import models
-from benchmarks.synthetic_gguf import SyntheticShape, write_synthetic_gguf
+from benchmarks.common.synthetic_gguf import SyntheticShape, write_synthetic_gguf
 from llmserve.model_executor.loader import load_model_config, load_tokenizer, resolve_model
 from llmserve.model_executor.loader.gguf_file import map_tensor_data, read_gguf_header, tensor_bytes
 from llmserve.model_executor.loader.joined_model import (

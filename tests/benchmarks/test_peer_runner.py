@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import peer_runner
+from benchmarks.common import peer_runner
 
 JOB = {"model": "m.gguf", "prompts": [[5, 6, 7], [8, 9]], "output_len": 4, "threads": 2, "dtype": "float32"}
 
@@ -53,7 +53,7 @@ def test_vllm_counts_the_tokens_it_returns(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_a_failing_peer_process_raises_with_its_output() -> None:
-    from benchmarks.peers import run_peer
+    from benchmarks.common.peers import run_peer
 
     with pytest.raises(RuntimeError, match="llama-cpp runner failed"):
         run_peer(sys.executable, {"peer": "llama-cpp", **JOB, "model": "/nonexistent.gguf"})

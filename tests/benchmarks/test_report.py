@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import report
-from benchmarks.results import command_line, write_results
+from benchmarks.common.results import command_line, write_results
 from benchmarks.throughput import make_workload
 
 MACHINE = {"cpu": "Test CPU (avx2)", "cores": 2, "memory_gib": 8, "omp_num_threads": None,

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 import benchmarks.soak
+from benchmarks.common.soak_duration import Tally, Tick, baseline_tick, duration_failures, peak_tick
+from benchmarks.common.soak_mix import LONG_PROMPT_SLACK, parse_gauges, process_rss
 from benchmarks.soak import (
     WARMUP_REQUESTS,
     Sample,
@@ -25,8 +27,6 @@ from benchmarks.soak import (
     parse_args,
     settled_rss,
 )
-from benchmarks.soak_duration import Tally, Tick, baseline_tick, duration_failures, peak_tick
-from benchmarks.soak_mix import LONG_PROMPT_SLACK, parse_gauges, process_rss
 from tests.entrypoints.remote_server import THREAD_ENV
 
 MIB = 1 << 20

@@ -28,9 +28,17 @@ from typing import Any
 import httpx
 import psutil
 
-from benchmarks.results import write_results
-from benchmarks.servers import running
-from benchmarks.soak_mix import SHED, Shape, draw_shape, long_prompt_ids, parse_gauges, process_rss, send
+from benchmarks.common.results import write_results
+from benchmarks.common.servers import running
+from benchmarks.common.soak_mix import (
+    SHED,
+    Shape,
+    draw_shape,
+    long_prompt_ids,
+    parse_gauges,
+    process_rss,
+    send,
+)
 
 MIB = 2**20
 

@@ -3,7 +3,7 @@ peer's own interpreter (llama-cpp-python and vLLM live in their own virtual envi
 imports nothing but the standard library and the peer.
 
     echo '{"peer": "llama-cpp", "model": "m.gguf", "prompts": [[1, 2]], "output_len": 8, "threads": 2}' \\
-        | PEER_VENV/bin/python benchmarks/peer_runner.py
+        | PEER_VENV/bin/python benchmarks/common/peer_runner.py
 
 stdin: {"peer": "llama-cpp" | "vllm" | "llmserve", "model", "prompts": [[token ids]], "output_len",
 "threads", "dtype"}, and for llmserve its "engine_args" (keyword arguments of its `LLM`).

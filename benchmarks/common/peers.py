@@ -1,6 +1,7 @@
 """Finding and starting the peers we compare against. Each lives in its own interpreter (a separate
 virtual environment, so that its torch or its build never meets ours) or is a llama.cpp program; we talk
-to it through `benchmarks/peer_runner.py`, its server or its printed table, never by importing it here."""
+to it through `benchmarks/common/peer_runner.py`, its server or its printed table, never by importing
+it here."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.peer_runner import RESULT_MARK
+from benchmarks.common.peer_runner import RESULT_MARK
 
 RUNNER = Path(__file__).with_name("peer_runner.py")
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.machine import describe
+from benchmarks.common.machine import describe
 
 
 def add_json_arg(parser: argparse.ArgumentParser) -> None:
