@@ -14,7 +14,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.engine.core import EngineCore
 from llmserve.engine.input_processor import TokensPrompt
 from llmserve.model_executor.model_runner import ModelRunner
-from llmserve.model_executor.models.native_decoder import NativeDecoder
+from llmserve.model_executor.native_decoder import NativeDecoder
 from tests.fixtures.tiny_llama import VOCAB_SIZE
 from tests.greedy_match import assert_same_greedy
 
