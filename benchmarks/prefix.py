@@ -27,8 +27,8 @@ import numpy as np
 from benchmarks.common.machine import warn_if_busy
 from benchmarks.common.results import add_json_arg, write_results
 from llmserve import AsyncLLM, RequestOutputKind, SamplingParams
+from llmserve.contracts import SchedulerStats
 from llmserve.engine.input_processor import TokensPrompt
-from llmserve.engine.messages import SchedulerStats
 from llmserve.metrics.stats import IterationStats
 
 

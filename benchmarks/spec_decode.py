@@ -53,9 +53,9 @@ from benchmarks.common.peers import engine_threads
 from benchmarks.common.results import add_json_arg, write_results
 from llmserve import LLM, RequestOutput, SamplingParams
 from llmserve.config import SpeculativeConfig
+from llmserve.contracts import SpecDecodingStats
 from llmserve.engine.core_client import InprocClient
 from llmserve.engine.input_processor import ChatMessage
-from llmserve.engine.messages import SpecDecodingStats
 
 REPO = Path(__file__).resolve().parent.parent
 CODE_FILES = "llmserve/scheduling/*.py"

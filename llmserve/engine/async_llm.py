@@ -13,10 +13,10 @@ from typing import Any, Protocol
 from transformers import PreTrainedTokenizerBase
 
 from llmserve.config import DEFAULT_MODEL, EngineArgs, EngineConfig
+from llmserve.contracts import EngineCoreOutput, FinishReason, SchedulerStats
 from llmserve.engine.exceptions import EngineDeadError
 from llmserve.engine.front_end import FrontEnd
 from llmserve.engine.input_processor import PromptType
-from llmserve.engine.messages import EngineCoreOutput, FinishReason, SchedulerStats
 from llmserve.engine.output_collector import RequestOutputCollector
 from llmserve.engine.parallel_sampling import fan_out
 from llmserve.engine.queue_limits import QueueLimits, QueueTimeoutError

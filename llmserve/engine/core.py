@@ -6,8 +6,14 @@ import logging
 import time
 
 from llmserve.config import EngineConfig, ResolvedLimits
+from llmserve.contracts import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from llmserve.engine.heap_reuse import heap_size, reserve_heap
-from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from llmserve.model_executor.device import kv_cache_budget
 from llmserve.model_executor.encoder_runner import EncoderModelRunner
 from llmserve.model_executor.loader import load_model_config, resolve_model
@@ -18,7 +24,7 @@ from llmserve.model_executor.models.registry import is_encoder, resolve_runner
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduling.kv_cache_manager import KVCacheManager, cdiv
 from llmserve.scheduling.request import Request, RequestStatus
-from llmserve.scheduling.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from llmserve.scheduling.scheduler import Scheduler
 from llmserve.spec_decode.speculator import Speculator
 from llmserve.structured_output.manager import StructuredOutputManager
 
@@ -145,17 +151,21 @@ class EngineCore:
         assert isinstance(runner, ModelRunner)
         params = SamplingParams(temperature=0.0, max_tokens=1)
         blocks = pool.get_new_blocks(num_seqs * per_seq)
+        ids = [f"warm-up-{i}" for i in range(num_seqs)]
         scheduled = [
             ScheduledRequest(
-                Request(f"warm-up-{i}", [0], params, None, 0.0, self.limits.max_model_len),
-                rows,
+                request_id,
+                0,
+                [0],
                 [b.block_id for b in blocks[i * per_seq : (i + 1) * per_seq]],
                 samples=True,
                 spec_token_ids=[0] * (rows - 1),
             )
-            for i in range(num_seqs)
+            for i, request_id in enumerate(ids)
         ]
-        runner.execute_model(SchedulerOutput(scheduled))
+        new = [NewRequestData(request_id, [0], params, None) for request_id in ids]
+        runner.execute_model(SchedulerOutput(scheduled, new))
+        runner.execute_model(SchedulerOutput(finished_request_ids=ids))  # the runner forgets them
         pool.free_blocks(blocks)
 
     def _kv_pool(self, config: EngineConfig, model_max: int) -> tuple[int, int, int]:
@@ -186,6 +196,7 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self._forget_finished_when_idle()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -194,10 +205,19 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:  # perhaps every request waits for its grammar
             self.structured_output_manager.wait_for_grammars(_GRAMMAR_WAIT_S)
-        grammar_bitmask = self.structured_output_manager.grammar_bitmask(scheduler_output.scheduled)
+        grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+            scheduler_output.scheduled, self.scheduler.requests
+        )
         runner_output = self.model_runner.execute_model(scheduler_output, grammar_bitmask)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._forget_finished_when_idle()
         return EngineCoreOutputs(outputs, self.scheduler.make_stats(), time.monotonic())
+
+    def _forget_finished_when_idle(self) -> None:
+        """The runner drops a finished request's state when the next step's output names it; with no
+        request left there may be no next step for a while, so an empty one names them now."""
+        if not self.scheduler.has_unfinished_requests():
+            self.model_runner.execute_model(self.scheduler.schedule())
 
 
 def _bookkeeping_blocks(config: EngineConfig) -> int:

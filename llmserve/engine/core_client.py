@@ -9,8 +9,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from llmserve.config import EngineConfig, ResolvedLimits
+from llmserve.contracts import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from llmserve.engine.core import EngineCore
-from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
 
 class EngineCoreClient(ABC):

@@ -32,13 +32,13 @@ import zmq
 
 import llmserve
 from llmserve.config import EngineConfig
+from llmserve.contracts import EngineCoreRequest
 from llmserve.engine.core import EngineCore
 from llmserve.engine.heap_reuse import keep_freed_heap
 from llmserve.engine.messages import (
     HEARTBEAT_INTERVAL_S,
     EngineCoreEventType,
     EngineCoreFailure,
-    EngineCoreRequest,
     EngineCoreRequestType,
     UtilityCall,
     UtilityResult,

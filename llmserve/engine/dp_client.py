@@ -21,15 +21,15 @@ import torch
 import zmq
 
 from llmserve.config import EngineConfig
-from llmserve.engine.core_client import EngineCoreClient
-from llmserve.engine.exceptions import EngineDeadError
-from llmserve.engine.messages import (
+from llmserve.contracts import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
     SchedulerStats,
 )
+from llmserve.engine.core_client import EngineCoreClient
+from llmserve.engine.exceptions import EngineDeadError
 from llmserve.engine.mp_client import AsyncMPClient, MPClient, SyncMPClient
 from llmserve.model_executor.cpu_threads import rank_placement
 from llmserve.model_executor.device import kv_cache_budget, resolve_device

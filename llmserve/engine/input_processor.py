@@ -9,7 +9,7 @@ from typing import Any, NotRequired, TypedDict, Union
 from transformers import PreTrainedTokenizerBase
 
 from llmserve.config import ResolvedLimits, ResolvedRunner, StructuredOutputsConfig
-from llmserve.engine.messages import EngineCoreRequest
+from llmserve.contracts import EngineCoreRequest
 from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams, is_unicode
 from llmserve.structured_output import grammars

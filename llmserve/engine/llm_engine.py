@@ -5,9 +5,9 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizerBase
 
 from llmserve.config import EngineArgs, EngineConfig
+from llmserve.contracts import EngineCoreRequest, FinishReason
 from llmserve.engine.front_end import FrontEnd
 from llmserve.engine.input_processor import PromptType
-from llmserve.engine.messages import EngineCoreRequest, FinishReason
 from llmserve.engine.parallel_sampling import ParentRequest, fan_out
 from llmserve.outputs import AnyRequestOutput
 from llmserve.sampling_params import SamplingParams

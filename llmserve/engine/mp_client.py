@@ -24,16 +24,14 @@ import msgspec
 import zmq
 
 from llmserve.config import EngineConfig, ResolvedLimits
+from llmserve.contracts import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from llmserve.engine.core_client import EngineCoreClient
 from llmserve.engine.core_proc import ipc_addresses, make_socket, start_engine_core
 from llmserve.engine.exceptions import EngineDeadError
 from llmserve.engine.messages import (
     EngineCoreEventType,
     EngineCoreFailure,
-    EngineCoreOutputs,
-    EngineCoreRequest,
     EngineCoreRequestType,
-    SchedulerStats,
     UtilityCall,
     UtilityResult,
 )

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
+from llmserve.contracts import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs
 from llmserve.engine.detokenizer import IncrementalDetokenizer
-from llmserve.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs
 from llmserve.engine.parallel_sampling import ParentRequest
 from llmserve.engine.pooling_state import PoolingRequestState
 from llmserve.metrics.stats import FinishedRequestStats, IterationStats

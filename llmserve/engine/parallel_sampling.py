@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from llmserve.contracts import EngineCoreRequest
 from llmserve.engine.input_processor import InputProcessor, PromptType
-from llmserve.engine.messages import EngineCoreRequest
 from llmserve.outputs import CompletionOutput
 from llmserve.sampling_params import INT64_MIN, RequestOutputKind, SamplingParams
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from llmserve.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from llmserve.contracts import EngineCoreOutput, EngineCoreRequest, FinishReason
 from llmserve.metrics.stats import FinishedRequestStats, IterationStats
 from llmserve.outputs import OutputSink, PoolingOutput, PoolingRequestOutput, RequestMetrics
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from llmserve.engine.messages import EngineCoreRequest
+from llmserve.contracts import EngineCoreRequest
 
 
 class EngineOverloadedError(Exception):

@@ -7,7 +7,7 @@ import logging
 import time
 from itertools import zip_longest
 
-from llmserve.engine.messages import SchedulerStats, SpecDecodingStats
+from llmserve.contracts import SchedulerStats, SpecDecodingStats
 from llmserve.metrics.stats import IterationStats
 
 logger = logging.getLogger("llmserve")

@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from llmserve.engine.messages import SchedulerStats, SpecDecodingStats
+from llmserve.contracts import SchedulerStats, SpecDecodingStats
 from llmserve.metrics.stats import IterationStats
 
 # Bucket bounds in seconds: every bound of vLLM's own histograms, so that a query written for vLLM's

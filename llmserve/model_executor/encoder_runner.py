@@ -13,6 +13,7 @@ import logging
 import torch
 
 from llmserve.config import ModelConfig
+from llmserve.contracts import ModelRunnerOutput, SchedulerOutput
 from llmserve.model_executor.cpu_threads import configure_core_threads
 from llmserve.model_executor.device import materialize, resolve_device, resolve_dtype
 from llmserve.model_executor.execution_plan import ExecutionPlan
@@ -20,7 +21,6 @@ from llmserve.model_executor.loader import ModelSource, iter_weights
 from llmserve.model_executor.models.bert import BertConfig
 from llmserve.model_executor.models.registry import encoder_class
 from llmserve.model_executor.pooler import Pooler, PoolerConfig, PoolingSpan, vector_bytes
-from llmserve.scheduling.scheduler import ModelRunnerOutput, SchedulerOutput
 from llmserve.structured_output.bitmask import GrammarBitmask
 
 logger = logging.getLogger(__name__)
@@ -57,22 +57,24 @@ class EncoderModelRunner:
         # by length: runs of equal lengths share an attention call (layers/encoder_attention.py)
         batch = sorted(scheduler_output.scheduled, key=lambda s: s.num_new_tokens)
         if not batch:
-            return ModelRunnerOutput({})
+            return ModelRunnerOutput()
         lengths = [s.num_new_tokens for s in batch]
+        # each prompt runs whole in the step that admits it, so every request here is new in it
+        pooling = {new.request_id: new.pooling_params for new in scheduler_output.new_requests}
         spans: list[PoolingSpan] = []
         start = 0
         for sched in batch:
-            request = sched.request
-            assert request.num_computed_tokens == 0 and sched.num_new_tokens == request.num_tokens
-            normalize = None if request.pooling_params is None else request.pooling_params.normalize
+            assert sched.num_computed_tokens == 0 and sched.samples  # whole prompts (see the scheduler)
+            params = pooling[sched.request_id]
+            normalize = None if params is None else params.normalize
             spans.append(PoolingSpan(start, sched.num_new_tokens, normalize))
             start += sched.num_new_tokens
         token_ids = torch.tensor(
-            list(itertools.chain.from_iterable(s.request.all_token_ids for s in batch)), device=self.device
+            list(itertools.chain.from_iterable(s.token_ids for s in batch)), device=self.device
         )
         counts = torch.tensor(lengths, device=self.device)
         firsts = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
         positions = torch.arange(start, device=self.device) - firsts
         hidden = self.model(token_ids, positions, lengths)
         vectors = vector_bytes(self.pooler(hidden, spans))
-        return ModelRunnerOutput({}, pooled={s.request.request_id: v for s, v in zip(batch, vectors)})
+        return ModelRunnerOutput(pooled={s.request_id: v for s, v in zip(batch, vectors)})

@@ -11,11 +11,12 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from llmserve.model_executor.request_state import CachedRequestState
 from llmserve.sampling_params import SamplingParams
-from llmserve.scheduling.request import Request
 
 
 @dataclass
@@ -58,7 +59,7 @@ class CompiledProcessing:
 
 # Per-request compiled processing, owned by the model runner. Weak keys: an entry goes with its request
 # when the scheduler drops a finished or aborted one, so nothing outlives it.
-CompiledCache = weakref.WeakKeyDictionary[Request, CompiledProcessing]
+CompiledCache = weakref.WeakKeyDictionary[CachedRequestState, CompiledProcessing]
 
 
 def apply_logits_processors(logits: torch.Tensor, meta: LogitsMetadata) -> torch.Tensor:
@@ -91,12 +92,23 @@ def _penalized(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
     return logits - p.frequency.unsqueeze(1) * counts - p.presence.unsqueeze(1) * generated
 
 
-def _needs_processing(request: Request) -> bool:
+def _needs_processing(request: CachedRequestState) -> bool:
     params = request.sampling_params
     return params.allowed_token_ids is not None or bool(params.logit_bias) or reads_history(request)
 
 
-def reads_history(request: Request) -> bool:
+class History(Protocol):
+    """What `reads_history` reads of a request: the runner's state, or the scheduler's `Request` when
+    the speculator decides whether to guess."""
+
+    sampling_params: SamplingParams
+    bad_words_token_ids: list[list[int]] | None
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+
+def reads_history(request: History) -> bool:
     """Whether the request's processing at a position depends on the tokens before it: penalties, bad
     words, and min_tokens while unmet. Rows of guessed tokens (spec_decode/) need it not to: they are
     all processed from the request's state before the guesses."""
@@ -115,7 +127,10 @@ def _uses_penalties(params: SamplingParams) -> bool:
 
 
 def build_logits_metadata(
-    requests: list[Request], vocab_size: int, device: torch.device, cache: CompiledCache | None = None
+    requests: list[CachedRequestState],
+    vocab_size: int,
+    device: torch.device,
+    cache: CompiledCache | None = None,
 ) -> LogitsMetadata | None:
     """The step's processing for `requests` (one per sampling row), or None when none uses any.
 
@@ -143,7 +158,7 @@ def build_logits_metadata(
     )
 
 
-def _compiled(request: Request, device: torch.device, cache: CompiledCache) -> CompiledProcessing:
+def _compiled(request: CachedRequestState, device: torch.device, cache: CompiledCache) -> CompiledProcessing:
     """The request's compiled processing, built on its first step: the only pass over its maps."""
     compiled = cache.get(request)
     if compiled is None:
@@ -151,7 +166,7 @@ def _compiled(request: Request, device: torch.device, cache: CompiledCache) -> C
     return compiled
 
 
-def _compile(request: Request, device: torch.device) -> CompiledProcessing:
+def _compile(request: CachedRequestState, device: torch.device) -> CompiledProcessing:
     """Everything of the request's processing that its generated tokens cannot change."""
     params = request.sampling_params
     stops = list(params.stop_token_ids or ())
@@ -174,7 +189,7 @@ def _compile(request: Request, device: torch.device) -> CompiledProcessing:
 
 
 def _banned(
-    requests: list[Request], compiled: list[CompiledProcessing], device: torch.device
+    requests: list[CachedRequestState], compiled: list[CompiledProcessing], device: torch.device
 ) -> torch.Tensor | None:
     """[2, b] (row, token) to set to -inf: EOS and stop tokens until min_tokens is reached, one-token bad
     words, and the bad words whose prefix was just generated (vLLM compares against the output only)."""
@@ -208,7 +223,7 @@ def _row_pairs(parts: list[tuple[int, torch.Tensor]], device: torch.device) -> t
     return pairs
 
 
-def _penalties(requests: list[Request], device: torch.device) -> Penalties | None:
+def _penalties(requests: list[CachedRequestState], device: torch.device) -> Penalties | None:
     rows = [row for row, r in enumerate(requests) if _uses_penalties(r.sampling_params)]
     if not rows:
         return None

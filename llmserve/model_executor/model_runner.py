@@ -10,7 +10,7 @@ import weakref
 import torch
 
 from llmserve.config import KVCacheDtype, ModelConfig
-from llmserve.engine.messages import TokenLogprobs
+from llmserve.contracts import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from llmserve.model_executor.attention import AttentionMetadata, PrefillChunk
 from llmserve.model_executor.cpu_threads import configure_core_threads
 from llmserve.model_executor.device import materialize, resolve_device, resolve_dtype
@@ -29,6 +29,7 @@ from llmserve.model_executor.models.decoder_config import DecoderConfig
 from llmserve.model_executor.models.registry import model_class
 from llmserve.model_executor.native_decoder import NativeDecoder, misfit, op_by_op_layers
 from llmserve.model_executor.pooler import Pooler, PoolerConfig, PoolingSpan, vector_bytes
+from llmserve.model_executor.request_state import CachedRequestState
 from llmserve.model_executor.sampler import (
     Argmax,
     SamplingMetadata,
@@ -37,8 +38,6 @@ from llmserve.model_executor.sampler import (
     skip_draws,
     torch_argmax,
 )
-from llmserve.scheduling.request import Request
-from llmserve.scheduling.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from llmserve.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
 
 logger = logging.getLogger(__name__)
@@ -94,6 +93,7 @@ class ModelRunner:
         self.resident_blocks = 0
         self.inputs = InputBuffers()
         self._generators: dict[str, torch.Generator] = {}
+        self.requests: dict[str, CachedRequestState] = {}  # every request the scheduler runs, by id
         self.logits_cache: CompiledCache = weakref.WeakKeyDictionary()  # an entry dies with its request
         self._argmax: Argmax = native.argmax_rows if self.plan.argmax == "argmax.c" else torch_argmax
 
@@ -158,16 +158,19 @@ class ModelRunner:
         """`grammar_bitmask`: the tokens this step's structured requests may sample."""
         for request_id in scheduler_output.finished_request_ids:
             self._generators.pop(request_id, None)
+            self.requests.pop(request_id, None)
+        for new in scheduler_output.new_requests:
+            self.requests[new.request_id] = CachedRequestState.from_new(new)
         if not scheduler_output.scheduled:
-            return ModelRunnerOutput({})
+            return ModelRunnerOutput()
         # Decode rows first: they are attended together as one batched decode.
         batch = sorted(scheduler_output.scheduled, key=lambda s: not _decodes(s))
         input_ids, positions, meta, sample_rows = self._prepare_inputs(batch)
         hidden = self._forward(input_ids, positions, meta)
         if self.pooler is not None:
-            return ModelRunnerOutput({}, pooled=self._pool(batch, hidden, self.pooler))
-        output = ModelRunnerOutput({})
-        if any(s.request.sampling_params.prompt_logprobs is not None for s in batch):
+            return ModelRunnerOutput(pooled=self._pool(batch, hidden, self.pooler))
+        output = ModelRunnerOutput()
+        if any(self.requests[s.request_id].sampling_params.prompt_logprobs is not None for s in batch):
             output.prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if sample_rows:
             sampling = [s for s in batch if s.samples]
@@ -202,7 +205,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden, reuse=True)  # [rows, vocab] fp32
         counts = [1 + len(s.spec_token_ids) for s in sampling]
         first = list(itertools.accumulate(counts, initial=0))
-        row_requests = [s.request for s, n in zip(sampling, counts) for _ in range(n)]
+        requests = [self.requests[s.request_id] for s in sampling]
+        row_requests = [r for r, n in zip(requests, counts) for _ in range(n)]
         if grammar_bitmask is not None:
             apply_grammar_bitmask(logits, [r.request_id for r in row_requests], grammar_bitmask)
         processing = build_logits_metadata(row_requests, logits.shape[-1], self.device, self.logits_cache)
@@ -223,13 +227,12 @@ class ModelRunner:
         for i, (generator, state) in rewind.items():
             generator.set_state(state)
             skip_draws(generator, kept[i], processed.shape[-1])
-        ids = [s.request.request_id for s in sampling]
-        output.sampled_token_ids = {
-            request_id: row_tokens[start : start + n] for request_id, start, n in zip(ids, first, kept)
-        }
-        wanted = [
-            (i, k) for i, s in enumerate(sampling) if (k := s.request.sampling_params.logprobs) is not None
-        ]
+        ids = [s.request_id for s in sampling]
+        for request, start, n in zip(requests, first, kept):
+            tokens = row_tokens[start : start + n]
+            output.sampled_token_ids[request.request_id] = tokens
+            request.all_token_ids.extend(tokens)  # as the scheduler appends them, unless they stop it
+        wanted = [(i, k) for i, r in enumerate(requests) if (k := r.sampling_params.logprobs) is not None]
         if wanted:
             rows = [first[i] + j for i, _ in wanted for j in range(kept[i])]
             ks = [self.config.vocab_size if k == -1 else k for i, k in wanted for _ in range(kept[i])]
@@ -237,18 +240,17 @@ class ModelRunner:
             entries = iter(gather_logprobs(logits[index], sampled[index], ks))
             output.logprobs = {ids[i]: list(itertools.islice(entries, kept[i])) for i, _ in wanted}
 
-    @staticmethod
-    def _pool(batch: list[ScheduledRequest], hidden: torch.Tensor, pooler: Pooler) -> dict[str, bytes]:
+    def _pool(self, batch: list[ScheduledRequest], hidden: torch.Tensor, pooler: Pooler) -> dict[str, bytes]:
         """The vectors of the requests whose prompts this step completed; a chunk's span is its own
         rows (a pooler that reads more than the last row gets whole prompts: see the scheduler)."""
         spans: list[PoolingSpan] = []
         ids: list[str] = []
         start = 0
         for sched in batch:
-            params = sched.request.pooling_params
+            params = self.requests[sched.request_id].pooling_params
             if sched.samples and params is not None:
                 spans.append(PoolingSpan(start, sched.num_new_tokens, params.normalize))
-                ids.append(sched.request.request_id)
+                ids.append(sched.request_id)
             start += sched.num_new_tokens
         return dict(zip(ids, vector_bytes(pooler(hidden, spans)))) if spans else {}
 
@@ -263,9 +265,9 @@ class ModelRunner:
         owners: list[tuple[str, int]] = []
         query_start = 0
         for sched in batch:
-            request = sched.request
+            request = self.requests[sched.request_id]
             k = request.sampling_params.prompt_logprobs
-            start = request.num_computed_tokens
+            start = sched.num_computed_tokens
             first = max(start, request.num_prompt_logprobs)  # skip what a preempted run already scored
             end = min(start + sched.num_new_tokens, request.num_prompt_tokens - 1)
             if k is not None and first < end:
@@ -273,6 +275,7 @@ class ModelRunner:
                 targets.extend(request.prompt_token_ids[first + 1 : end + 1])
                 ks.extend([self.config.vocab_size if k == -1 else k] * (end - first))
                 owners.append((request.request_id, end - first))
+                request.num_prompt_logprobs = end
             query_start += sched.num_new_tokens
         if not owners:
             return {}
@@ -303,9 +306,8 @@ class ModelRunner:
         sample_rows: list[int] = []
         at = 0
         for sched in batch:
-            request, n, guesses = sched.request, sched.num_new_tokens, sched.spec_token_ids
-            start = request.num_computed_tokens
-            tokens = request.all_token_ids[start : start + n - len(guesses)] + guesses
+            n, guesses, start = sched.num_new_tokens, sched.spec_token_ids, sched.num_computed_tokens
+            tokens = sched.token_ids + guesses
             buffers.write_tokens(at, tokens, start, sched.block_ids, bs)
             if _decodes(sched):
                 # A guess is one more decode row of its sequence, seeing the keys up to its own.
@@ -321,9 +323,7 @@ class ModelRunner:
             num_decodes=num_decode_rows,
             decode_block_tables=buffers.decode_tables[:num_decode_rows].to(self.device),
             decode_seq_lens=buffers.decode_lens[:num_decode_rows].to(self.device),
-            decode_max_len=max(
-                (s.request.num_computed_tokens + s.num_new_tokens for s in decodes), default=0
-            ),
+            decode_max_len=max((s.num_computed_tokens + s.num_new_tokens for s in decodes), default=0),
             prefills=prefills,
             native_decode=self.native,
             native_prefill=self.plan.prefill_attention == "prefill_attention.c",
@@ -331,7 +331,7 @@ class ModelRunner:
         token_ids, positions = buffers.token_ids[:at].to(self.device), buffers.positions[:at].to(self.device)
         return token_ids, positions, meta, sample_rows
 
-    def _sampling_metadata(self, rows: list[Request]) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: list[CachedRequestState]) -> SamplingMetadata:
         """Each row's settings: its request's (a request with guesses has several rows)."""
         params = [r.sampling_params for r in rows]
         vocab = self.config.vocab_size

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.engine.messages import TokenLogprobs
+from llmserve.contracts import TokenLogprobs
 
 
 @dataclass

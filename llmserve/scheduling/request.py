@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from llmserve.engine.messages import EngineCoreRequest, FinishReason, TokenLogprobs
+from llmserve.contracts import EngineCoreRequest, FinishReason, TokenLogprobs
 from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured_output.request import StructuredOutputRequest

@@ -7,54 +7,36 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from llmserve.config import SchedulerConfig
-from llmserve.engine.messages import EngineCoreOutput, FinishReason, SchedulerStats, TokenLogprobs
+from llmserve.contracts import (
+    EngineCoreOutput,
+    FinishReason,
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+    TokenLogprobs,
+)
 from llmserve.scheduling.kv_cache_manager import KVCacheManager
 from llmserve.scheduling.request import Request, RequestStatus
 from llmserve.scheduling.request_queue import RequestQueue, make_request_queue
 from llmserve.spec_decode.speculator import Speculator
 
 
-@dataclass
-class ScheduledRequest:
-    """`num_new_tokens` of `request`, starting at its `num_computed_tokens`, run this step.
-
-    `samples` says whether they reach the end of the request's tokens, so a new token is sampled.
-    `spec_token_ids` are guesses of the tokens after them, checked in the same step (counted in
-    `num_new_tokens`): every one of those rows samples, and the request keeps the guesses the samples
-    confirm plus the first sample that differs, or the one after the last guess.
-    """
-
-    request: Request
-    num_new_tokens: int
-    block_ids: list[int]
-    samples: bool
-    spec_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    finished_request_ids: list[str] = field(default_factory=list)  # since the last step
-
-    @property
-    def total_num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-
-@dataclass
-class ModelRunnerOutput:
-    """The tokens sampled for each request whose scheduled tokens reached its end (one, or with
-    guesses the confirmed ones and one more), and their logprobs for the requests that asked; for those
-    that asked for prompt logprobs, the prompt positions this step scored for the first time."""
-
-    sampled_token_ids: dict[str, list[int]]
-    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    # the pooling runner's: each request whose prompt this step completed → its vector (float32 bytes)
-    pooled: dict[str, bytes] = field(default_factory=dict)
+def _new_request_data(request: Request) -> NewRequestData:
+    """What the model runner keeps of a request it sees for the first time, or again after a preemption."""
+    return NewRequestData(
+        request.request_id,
+        request.prompt_token_ids,
+        request.sampling_params,
+        request.eos_token_id,
+        request.bad_words_token_ids,
+        request.pooling_params,
+        request.output_token_ids,
+        request.num_prompt_logprobs,
+    )
 
 
 def _rank(request: Request) -> tuple[int, float]:
@@ -128,6 +110,7 @@ class Scheduler:
             self._expire_waiting()
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
+        new_requests: list[NewRequestData] = []  # admitted from the queue: new, or resumed
         preempted = False
 
         i = 0
@@ -173,13 +156,14 @@ class Scheduler:
             else:
                 self.running.append(request)
             scheduled.append(self._scheduled(request, num_new))
+            new_requests.append(_new_request_data(request))
             budget -= num_new
         for request in reversed(compiling):
             self.waiting.prepend(request)
         if self.speculator is not None and self.speculator.speculates(len(self.running)):
             self._add_guesses(scheduled[:num_running_scheduled], budget)
 
-        out = SchedulerOutput(scheduled, self._finished_ids)
+        out = SchedulerOutput(scheduled, new_requests, self._finished_ids)
         self._finished_ids = []
         return out
 
@@ -215,11 +199,13 @@ class Scheduler:
         return ready
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
         return ScheduledRequest(
-            request,
-            num_new,
+            request.request_id,
+            start,
+            request.all_token_ids[start : start + num_new],
             self.kv_cache_manager.get_block_ids(request.request_id),
-            samples=request.num_computed_tokens + num_new == request.num_tokens,
+            samples=start + num_new == request.num_tokens,
         )
 
     def _add_guesses(self, scheduled: list[ScheduledRequest], budget: int) -> None:
@@ -230,7 +216,7 @@ class Scheduler:
         for sched in scheduled:
             if budget <= 0:
                 return
-            request = sched.request
+            request = self.requests[sched.request_id]
             if sched.num_new_tokens != 1 or not sched.samples:
                 continue
             guesses = self.speculator.propose(request, budget)
@@ -238,7 +224,6 @@ class Scheduler:
                 held = len(sched.block_ids) * self.kv_cache_manager.block_size
                 guesses = guesses[: max(held - request.num_computed_tokens - 1, 0)]  # those its blocks fit
             if guesses:
-                sched.num_new_tokens += len(guesses)
                 sched.spec_token_ids = guesses
                 sched.block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
                 budget -= len(guesses)
@@ -258,8 +243,8 @@ class Scheduler:
         outputs start with those of the requests `schedule()` ended unrun (expired, grammar failed)."""
         outputs, self._finished_unrun = self._finished_unrun, []
         for sched in scheduler_output.scheduled:
-            request = sched.request
-            if request.status.finished:  # aborted while the step ran
+            request = self.requests.get(sched.request_id)
+            if request is None:  # aborted while the step ran
                 continue
             num_drafts = len(sched.spec_token_ids)
             request.num_computed_tokens += sched.num_new_tokens - num_drafts

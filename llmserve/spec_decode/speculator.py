@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmserve.config import SpeculativeConfig
-from llmserve.engine.messages import SpecDecodingStats
+from llmserve.contracts import SpecDecodingStats
 from llmserve.model_executor.logits_processors import reads_history
 from llmserve.scheduling.request import Request
 from llmserve.spec_decode.ngram_proposer import NgramProposer

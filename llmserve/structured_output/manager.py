@@ -10,14 +10,15 @@ import concurrent.futures
 import itertools
 import os
 import threading
+from collections.abc import Mapping
 
 import torch
 
+from llmserve.contracts import ScheduledRequest
 from llmserve.model_executor.loader import ModelSource
 from llmserve.model_executor.loader.tokenizer import eos_token_ids, load_tokenizer
 from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.scheduling.request import Request
-from llmserve.scheduling.scheduler import ScheduledRequest
 from llmserve.structured_output.backend import Grammar, StructuredOutputBackend
 from llmserve.structured_output.bitmask import GrammarBitmask
 from llmserve.structured_output.grammar_threads import LargeStackExecutor
@@ -69,22 +70,24 @@ class StructuredOutputManager:
                 list(self._compiling), timeout, return_when=concurrent.futures.FIRST_COMPLETED
             )
 
-    def grammar_bitmask(self, scheduled: list[ScheduledRequest]) -> GrammarBitmask | None:
+    def grammar_bitmask(
+        self, scheduled: list[ScheduledRequest], requests: Mapping[str, Request]
+    ) -> GrammarBitmask | None:
         """The bitmask for this step's sampling requests that have a grammar; None when there are none
         (before the first structured request this costs one attribute check). A request with guesses
         gets a row per guess and one after them: its grammar advances over the guesses as it fills
         them, then rolls back. `Speculator.propose` checked that the grammar takes every guess and that none
         follows the one that completes it (a matcher stepped past its end, or over a token it refuses,
-        would stay in its error state after the rollback)."""
+        would stay in its error state after the rollback). `requests`: the scheduler's, by id."""
         if self.backend is None:
             return None
         ids: list[str] = []
         grammars: list[Grammar] = []
         guesses: list[list[int]] = []
         for sched in scheduled:
-            structured = sched.request.structured_output
+            structured = requests[sched.request_id].structured_output
             if sched.samples and structured is not None and structured.grammar is not None:
-                ids.append(sched.request.request_id)
+                ids.append(sched.request_id)
                 grammars.append(structured.grammar)
                 guesses.append(sched.spec_token_ids)
         if not grammars:

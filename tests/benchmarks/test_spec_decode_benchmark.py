@@ -18,7 +18,7 @@ from benchmarks.spec_decode import (
     repetition,
     rewrite_prompt,
 )
-from llmserve.engine.messages import SpecDecodingStats
+from llmserve.contracts import SpecDecodingStats
 
 REPO = Path(__file__).resolve().parents[2]
 

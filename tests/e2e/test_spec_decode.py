@@ -11,7 +11,7 @@ from typing import Any, cast
 import pytest
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.messages import SpecDecodingStats
+from llmserve.contracts import SpecDecodingStats
 from llmserve.sampling_params import StructuredOutputsParams
 from tests.e2e.conftest import PROMPTS
 

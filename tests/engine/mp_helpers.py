@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from llmserve.config import EngineArgs, EngineConfig
-from llmserve.engine.messages import EngineCoreRequest
+from llmserve.contracts import EngineCoreRequest
 from llmserve.sampling_params import SamplingParams
 
 SMALL_KV = 16 << 20  # bytes of KV cache: plenty for the tiny model, quick to allocate

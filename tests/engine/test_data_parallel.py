@@ -15,16 +15,11 @@ from typing import Any
 import pytest
 
 from llmserve import LLM, AsyncLLM, SamplingParams
+from llmserve.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from llmserve.engine.core_proc import PROCESS_TITLE
 from llmserve.engine.dp_client import DPLBAsyncMPClient, DPSyncMPClient, LoadBalancer
 from llmserve.engine.exceptions import EngineDeadError
-from llmserve.engine.messages import (
-    HEARTBEAT_INTERVAL_S,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    FinishReason,
-)
+from llmserve.engine.messages import HEARTBEAT_INTERVAL_S
 from llmserve.model_executor.cpu_threads import rank_placement
 from llmserve.sampling_params import SamplingParams as Params
 

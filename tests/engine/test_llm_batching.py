@@ -69,6 +69,8 @@ def assert_no_leaks(llm: LLM) -> None:
     core = core_of(llm)
     assert not core.scheduler.has_unfinished_requests()
     assert core.kv_cache_manager.num_free_blocks == core.limits.num_kv_blocks
+    if isinstance(core.model_runner, ModelRunner):  # the runner's state of every request is gone too
+        assert not core.model_runner.requests and not core.model_runner.logits_cache
 
 
 def test_64_mixed_prompts_batched_match_one_at_a_time(llm: LLM) -> None:

@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
+from llmserve.contracts import NewRequestData
 from llmserve.model_executor import logits_processors
 from llmserve.model_executor.logits_processors import (
     CompiledCache,
     apply_logits_processors,
     build_logits_metadata,
 )
-from llmserve.scheduling.request import Request
+from llmserve.model_executor.request_state import CachedRequestState
 from tests.engine.logits_reference import reference_logits
 from tests.engine.test_llm_batching import assert_no_leaks, make_llm, random_prompts, runner_of
 from tests.fixtures.tiny_llama import EOS_ID, VOCAB_SIZE
@@ -31,11 +32,9 @@ PLAIN = SamplingParams(temperature=0.0)
 
 def request(
     params: SamplingParams, prompt: list[int], output: list[int], bad_words: list[list[int]] | None = None
-) -> Request:
-    r = Request("r", prompt, params, EOS, 0.0, 4096, bad_words)
-    for token in output:
-        r.append_output_token(token)
-    return r
+) -> CachedRequestState:
+    """The runner's state of a request with this history, as the scheduler's data builds it."""
+    return CachedRequestState.from_new(NewRequestData("r", prompt, params, EOS, bad_words, None, output))
 
 
 def history(rng: random.Random, n: int) -> list[int]:
@@ -97,7 +96,7 @@ FEATURES: dict[str, list[tuple[SamplingParams, list[int], list[list[int]] | None
 @pytest.mark.parametrize("feature", FEATURES)
 def test_each_feature_matches_the_reference_in_a_mixed_batch(feature: str) -> None:
     rng = random.Random(feature)
-    rows: list[tuple[Request, list[list[int]] | None]] = []
+    rows: list[tuple[CachedRequestState, list[list[int]] | None]] = []
     first, second = FEATURES[feature]
     for params, suffix, bad_words in [(PLAIN, [], None), first, (PLAIN, [], None), second]:
         output = history(rng, rng.randrange(0, 12)) + suffix
@@ -191,7 +190,7 @@ def test_steps_after_the_first_reuse_the_compiled_tensors_of_64_full_vocabulary_
     compiled = [cache[r] for r in rows]
     assert all(c.bias is not None and len(c.bias[0]) == FULL_VOCAB for c in compiled)
 
-    def no_compile(request: Request, device: torch.device) -> None:
+    def no_compile(request: CachedRequestState, device: torch.device) -> None:
         raise AssertionError("a request was compiled twice")
 
     monkeypatch.setattr(logits_processors, "_compile", no_compile)

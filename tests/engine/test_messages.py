@@ -6,16 +6,15 @@ import msgspec
 import pytest
 
 from llmserve.config import ResolvedLimits
-from llmserve.engine.messages import (
-    EngineCoreFailure,
+from llmserve.contracts import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
     SchedulerStats,
     TokenLogprobs,
-    UtilityResult,
 )
+from llmserve.engine.messages import EngineCoreFailure, UtilityResult
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
 

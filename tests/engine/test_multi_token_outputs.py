@@ -9,7 +9,7 @@ from typing import cast
 import pytest
 from transformers import AutoTokenizer
 
-from llmserve.engine.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
+from llmserve.contracts import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams

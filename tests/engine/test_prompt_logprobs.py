@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs
+from llmserve.contracts import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.outputs import PromptLogprobs, RequestOutput
 from llmserve.sampling_params import RequestOutputKind

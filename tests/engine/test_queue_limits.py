@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from llmserve import LLM, AsyncLLM, SamplingParams
+from llmserve.contracts import EngineCoreRequest
 from llmserve.engine.exceptions import EngineDeadError
 from llmserve.engine.input_processor import TokensPrompt
-from llmserve.engine.messages import EngineCoreRequest
 from llmserve.engine.queue_limits import QueueFullError, QueueLimits, QueueTimeoutError
 from llmserve.outputs import RequestOutput
 from tests.engine.test_async_llm import assert_core_is_empty, greedy

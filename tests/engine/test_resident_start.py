@@ -20,7 +20,7 @@ import ctypes, json, mmap, resource, sys, time
 from llmserve.config import EngineArgs
 from llmserve.engine.core import EngineCore
 from llmserve.engine.heap_reuse import keep_freed_heap
-from llmserve.engine.messages import EngineCoreRequest
+from llmserve.contracts import EngineCoreRequest
 from llmserve.model_executor import model_runner
 from llmserve.sampling_params import SamplingParams
 

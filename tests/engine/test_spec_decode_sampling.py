@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.messages import SpecDecodingStats
+from llmserve.contracts import SpecDecodingStats
 
 ALLOWED = [67, 68, 69, 70]
 PROMPT = [67, 68, 69, 70, 68, 67, 70, 69] * 3  # every token recurs: n-gram lookup always guesses

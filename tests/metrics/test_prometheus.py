@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmserve.engine.messages import SchedulerStats
+from llmserve.contracts import SchedulerStats
 from llmserve.metrics.prometheus import PrometheusStatLogger
 from llmserve.metrics.stats import FinishedRequestStats, IterationStats
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from llmserve.engine.messages import SchedulerStats, SpecDecodingStats
+from llmserve.contracts import SchedulerStats, SpecDecodingStats
 from llmserve.metrics import loggers
 from llmserve.metrics.loggers import LoggingStatLogger
 from llmserve.metrics.prometheus import PrometheusStatLogger

@@ -20,9 +20,9 @@ import transformers
 from gguf import GGUFWriter
 
 from llmserve import LLM, RequestOutput, SamplingParams
+from llmserve.contracts import ModelRunnerOutput, SchedulerOutput
 from llmserve.engine.input_processor import TokensPrompt
 from llmserve.model_executor.model_runner import ModelRunner
-from llmserve.scheduling.scheduler import ModelRunnerOutput, SchedulerOutput
 from tests.e2e.greedy_reference import Reference, assert_matches_hf, assert_top_logprobs_match, hf_greedy
 from tests.engine.test_llm_batching import assert_no_leaks, core_of, count_native_steps, make_llm
 from tests.fixtures.tiny_llama import VOCAB_SIZE
@@ -116,8 +116,8 @@ def record_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, 
     execute = runner.execute_model
 
     def recorded(scheduler_output: SchedulerOutput, *args: Any) -> ModelRunnerOutput:
-        batch = scheduler_output.scheduled
-        decodes = any(s.request.num_computed_tokens >= s.request.num_prompt_tokens for s in batch)
+        batch, requests = scheduler_output.scheduled, core_of(llm).scheduler.requests
+        decodes = any(s.num_computed_tokens >= requests[s.request_id].num_prompt_tokens for s in batch)
         steps.append((decodes, any(not s.samples for s in batch)))
         return execute(scheduler_output, *args)
 

@@ -11,8 +11,8 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from llmserve.config import ResolvedLimits, SchedulerConfig
+from llmserve.contracts import EngineCoreRequest
 from llmserve.engine.input_processor import InputProcessor, TokensPrompt
-from llmserve.engine.messages import EngineCoreRequest
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduling.kv_cache_manager import KVCacheManager
 from llmserve.scheduling.request import Request

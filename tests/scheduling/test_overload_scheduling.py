@@ -8,7 +8,7 @@ import weakref
 import pytest
 
 from llmserve.config import SchedulerConfig, SchedulingPolicy
-from llmserve.engine.messages import EngineCoreOutput, FinishReason
+from llmserve.contracts import EngineCoreOutput, FinishReason
 from llmserve.scheduling.kv_cache_manager import KVCacheManager
 from llmserve.scheduling.request import RequestStatus
 from llmserve.scheduling.request_queue import FCFSQueue, PriorityQueue
@@ -57,7 +57,7 @@ def test_waiting_queue_orders_by_priority_then_arrival(policy: SchedulingPolicy,
     order: list[str] = []
     while scheduler.has_unfinished_requests():
         output = scheduler.schedule()
-        order += [s.request.request_id for s in output.scheduled if s.request.request_id not in order]
+        order += [s.request_id for s in output.scheduled if s.request_id not in order]
         scheduler.update_from_output(output, fake_run(output))
     assert order == expected
 
@@ -98,7 +98,7 @@ def test_preemption_victim(policy: SchedulingPolicy, victim: str) -> None:
     output = scheduler.schedule()  # position 8 needs a third block: one request must go
     scheduler.update_from_output(output, fake_run(output))
     assert [r.request_id for r in requests.values() if r.status == RequestStatus.PREEMPTED] == [victim]
-    assert victim not in [s.request.request_id for s in output.scheduled]
+    assert victim not in [s.request_id for s in output.scheduled]
     assert requests[victim].num_computed_tokens == 0
     while scheduler.has_unfinished_requests():
         step(scheduler)
@@ -120,7 +120,7 @@ def test_request_never_scheduled_within_max_queue_time_ends_unrun() -> None:
     clock.now = 6.0
     scheduled = scheduler.schedule()
     assert scheduled.finished_request_ids == ["waiting"]  # the runner drops its state
-    assert [s.request.request_id for s in scheduled.scheduled] == ["running"]
+    assert [s.request_id for s in scheduled.scheduled] == ["running"]
     outputs = scheduler.update_from_output(scheduled, fake_run(scheduled))
     assert outputs[0] == EngineCoreOutput("waiting", [], FinishReason.QUEUE_TIMEOUT)
     assert [o.request_id for o in outputs[1:]] == ["running"]

@@ -4,12 +4,12 @@ the prompt; without chunked prefill, a prompt waits for a step with room for all
 from __future__ import annotations
 
 from llmserve.config import SchedulerConfig
-from llmserve.engine.messages import FinishReason
+from llmserve.contracts import FinishReason, ModelRunnerOutput, SchedulerOutput
 from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduling.kv_cache_manager import KVCacheManager
 from llmserve.scheduling.request import Request
-from llmserve.scheduling.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from llmserve.scheduling.scheduler import Scheduler
 
 
 def pooling_request(request_id: str, num_tokens: int) -> Request:
@@ -21,11 +21,11 @@ def pooling_request(request_id: str, num_tokens: int) -> Request:
 
 def pool(output: SchedulerOutput) -> ModelRunnerOutput:
     """A vector for each request whose prompt the step completed, as the pooling runners do."""
-    return ModelRunnerOutput({}, pooled={s.request.request_id: b"v" for s in output.scheduled if s.samples})
+    return ModelRunnerOutput({}, pooled={s.request_id: b"v" for s in output.scheduled if s.samples})
 
 
 def scheduled(output: SchedulerOutput) -> list[tuple[str, int]]:
-    return [(s.request.request_id, s.num_new_tokens) for s in output.scheduled]
+    return [(s.request_id, s.num_new_tokens) for s in output.scheduled]
 
 
 def test_without_chunking_a_prompt_waits_for_a_step_with_room_and_frees_its_blocks() -> None:

@@ -53,7 +53,7 @@ def test_second_request_reuses_the_prefix_but_computes_its_last_token() -> None:
     output = scheduler.schedule()
     # Blocks 0 and 1 are reused; block 2 is full too, but the last token must be computed.
     assert second.num_computed_tokens == 8
-    assert [(s.request.request_id, s.num_new_tokens) for s in output.scheduled] == [("b", 4)]
+    assert [(s.request_id, s.num_new_tokens) for s in output.scheduled] == [("b", 4)]
     assert output.scheduled[0].block_ids[:2] == manager.get_block_ids("b")[:2]
     assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (24, 8)
 

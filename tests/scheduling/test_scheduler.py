@@ -3,10 +3,10 @@ from __future__ import annotations
 from typing import Any
 
 from llmserve.config import SchedulerConfig
-from llmserve.engine.messages import FinishReason
+from llmserve.contracts import FinishReason, ModelRunnerOutput, SchedulerOutput
 from llmserve.scheduling.kv_cache_manager import KVCacheManager
 from llmserve.scheduling.request import RequestStatus
-from llmserve.scheduling.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from llmserve.scheduling.scheduler import Scheduler
 from tests.scheduling.fake_requests import make_request
 
 
@@ -16,7 +16,7 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, **config: Any) -> 
 
 def fake_run(output: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
     """Sample `token` for every request whose scheduled tokens reach its end, as the runner does."""
-    return ModelRunnerOutput({s.request.request_id: [token] for s in output.scheduled if s.samples})
+    return ModelRunnerOutput({s.request_id: [token] for s in output.scheduled if s.samples})
 
 
 def step(scheduler: Scheduler) -> SchedulerOutput:
@@ -30,17 +30,17 @@ def test_chunked_prefill_then_decode_mixed_in_one_batch() -> None:
     scheduler.add_request(make_request("long", 25))
     scheduler.add_request(make_request("short", 3))
     first = step(scheduler)
-    assert [(s.request.request_id, s.num_new_tokens) for s in first.scheduled] == [("long", 10)]
+    assert [(s.request_id, s.num_new_tokens) for s in first.scheduled] == [("long", 10)]
     second = step(scheduler)
-    assert [(s.request.request_id, s.num_new_tokens) for s in second.scheduled] == [("long", 10)]
+    assert [(s.request_id, s.num_new_tokens) for s in second.scheduled] == [("long", 10)]
     third = step(scheduler)  # the last 5 prompt tokens, and the short prompt fills the rest
-    assert [(s.request.request_id, s.num_new_tokens) for s in third.scheduled] == [
+    assert [(s.request_id, s.num_new_tokens) for s in third.scheduled] == [
         ("long", 5),
         ("short", 3),
     ]
     assert all(s.samples for s in third.scheduled)
     fourth = step(scheduler)  # both decode
-    assert [(s.request.request_id, s.num_new_tokens) for s in fourth.scheduled] == [
+    assert [(s.request_id, s.num_new_tokens) for s in fourth.scheduled] == [
         ("long", 1),
         ("short", 1),
     ]
@@ -51,7 +51,7 @@ def test_max_num_seqs_caps_the_running_set() -> None:
     for i in range(3):
         scheduler.add_request(make_request(str(i), 4))
     output = step(scheduler)
-    assert [s.request.request_id for s in output.scheduled] == ["0", "1"]
+    assert [s.request_id for s in output.scheduled] == ["0", "1"]
     assert len(scheduler.waiting) == 1
 
 
@@ -84,7 +84,7 @@ def test_preempts_newest_when_blocks_run_out_and_recomputes_it() -> None:
     step(scheduler)  # both prefill, each samples token 8
     step(scheduler)  # token 9 of each fits in block 1 (positions 7)
     output = step(scheduler)  # old needs block 2 for position 8: new is preempted
-    assert [s.request.request_id for s in output.scheduled] == ["old"]
+    assert [s.request_id for s in output.scheduled] == ["old"]
     assert new.status == RequestStatus.PREEMPTED
     assert new.num_computed_tokens == 0 and new.num_output_tokens == 2
     assert scheduler.waiting.peek() is new

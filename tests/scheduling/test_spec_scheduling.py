@@ -4,10 +4,11 @@ a preemption, a waiting request or another request's token."""
 from __future__ import annotations
 
 from llmserve.config import SchedulerConfig, SpeculativeConfig
+from llmserve.contracts import ModelRunnerOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduling.kv_cache_manager import KVCacheManager
 from llmserve.scheduling.request import Request
-from llmserve.scheduling.scheduler import ModelRunnerOutput, Scheduler
+from llmserve.scheduling.scheduler import Scheduler
 from llmserve.spec_decode.speculator import Speculator
 
 
@@ -32,7 +33,7 @@ def test_guesses_take_only_blocks_left_free_and_never_preempt() -> None:
     # a's guesses would need a fourth block, which b's next token needs: b keeps it, a guesses less
     step = s.schedule()
     assert s.num_preemptions == 0 and kv.num_free_blocks == 0
-    assert [(x.request.request_id, x.num_new_tokens - len(x.spec_token_ids)) for x in step.scheduled] == [
+    assert [(x.request_id, x.num_new_tokens - len(x.spec_token_ids)) for x in step.scheduled] == [
         ("a", 1),
         ("b", 1),
     ]
@@ -47,9 +48,9 @@ def test_guesses_take_only_the_budget_left() -> None:
     first = s.schedule()  # a's 6 tokens take the whole first step's budget of 3, then the rest
     while not all(x.samples for x in first.scheduled) or len(first.scheduled) < 3:
         s.update_from_output(
-            first, ModelRunnerOutput({x.request.request_id: [3] for x in first.scheduled if x.samples})
+            first, ModelRunnerOutput({x.request_id: [3] for x in first.scheduled if x.samples})
         )
         first = s.schedule()
-    s.update_from_output(first, ModelRunnerOutput({x.request.request_id: [3] for x in first.scheduled}))
+    s.update_from_output(first, ModelRunnerOutput({x.request_id: [3] for x in first.scheduled}))
     step = s.schedule()
     assert [x.num_new_tokens for x in step.scheduled] == [1, 1, 1]  # no budget left for guesses

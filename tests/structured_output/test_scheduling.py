@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from llmserve.engine.messages import FinishReason
+from llmserve.contracts import FinishReason
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.scheduling.request import Request, RequestStatus
 from llmserve.structured_output.backend import Grammar
@@ -55,11 +55,11 @@ def test_a_request_waiting_for_its_grammar_is_passed_by_and_keeps_its_place() ->
     first, future = structured("structured")
     scheduler.add_request(first)
     scheduler.add_request(free("free"))
-    assert [s.request.request_id for s in step(scheduler).scheduled] == ["free"]
+    assert [s.request_id for s in step(scheduler).scheduled] == ["free"]
     assert [r.request_id for r in scheduler.waiting] == ["structured"]
     grammar = CountingGrammar(3)
     future.set_result(grammar)
-    assert [s.request.request_id for s in step(scheduler).scheduled] == ["free", "structured"]
+    assert [s.request_id for s in step(scheduler).scheduled] == ["free", "structured"]
     assert first.status == RequestStatus.RUNNING
     assert grammar.accepted == [7]  # the sampled token advanced the matcher
 
@@ -84,7 +84,7 @@ def test_a_grammar_that_failed_to_compile_ends_only_its_request() -> None:
     scheduler.add_request(free("free"))
     future.set_exception(ValueError("unclosed character class"))
     out = scheduler.schedule()
-    assert [s.request.request_id for s in out.scheduled] == ["free"]
+    assert [s.request_id for s in out.scheduled] == ["free"]
     outputs = scheduler.update_from_output(out, fake_run(out))
     failed = next(o for o in outputs if o.request_id == "broken")
     assert failed.finish_reason == FinishReason.ERROR and failed.new_token_ids == []
