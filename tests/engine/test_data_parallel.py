@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from llmserve import LLM, AsyncLLM, SamplingParams
-from llmserve.engine.core_proc import PROCESS_TITLE
+from llmserve.engine.core_launcher import PROCESS_TITLE
 from llmserve.engine.dp_client import DPLBAsyncMPClient, DPSyncMPClient, LoadBalancer
 from llmserve.engine.exceptions import EngineDeadError
 from llmserve.engine.messages import (

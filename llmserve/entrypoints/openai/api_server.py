@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from llmserve import __version__
 from llmserve.config import EngineArgs
 from llmserve.engine.async_llm import AsyncLLM
-from llmserve.engine.core_proc import LOG_FORMAT
+from llmserve.engine.core_launcher import LOG_FORMAT
 from llmserve.engine.exceptions import EngineDeadError
 from llmserve.entrypoints.openai.data_parallel import with_header_rank
 from llmserve.entrypoints.openai.disconnect import cancel_on_disconnect
