@@ -164,7 +164,9 @@ class EngineCore:
         runner = self.model_runner
         assert isinstance(runner, ModelRunner)
         block_size = config.cache_config.block_size
-        budget = kv_cache_budget(runner.device, config.cache_config.kv_cache_memory)
+        budget = kv_cache_budget(
+            runner.device, config.cache_config.kv_cache_memory, config.parallel_config.data_parallel_size
+        )
         scheduler = config.scheduler_config
         block_bytes = runner.kv_cache_bytes_per_block(block_size)
         num_blocks = budget // block_bytes

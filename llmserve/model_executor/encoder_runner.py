@@ -13,8 +13,7 @@ import logging
 import torch
 
 from llmserve.config import ModelConfig
-from llmserve.model_executor.cpu_threads import configure_core_threads
-from llmserve.model_executor.device import materialize, resolve_device, resolve_dtype
+from llmserve.model_executor.device import configure_core_threads, materialize, resolve_device, resolve_dtype
 from llmserve.model_executor.execution_plan import ExecutionPlan
 from llmserve.model_executor.loader import ModelSource, iter_weights
 from llmserve.model_executor.models.bert import BertConfig

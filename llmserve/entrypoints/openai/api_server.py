@@ -63,7 +63,6 @@ from llmserve.entrypoints.openai.serving_tokenization import OpenAIServingTokeni
 from llmserve.entrypoints.openai.streaming import EventStreamResponse
 from llmserve.metrics.prometheus import PrometheusStatLogger
 from llmserve.metrics.stats import IterationStats
-from llmserve.model_executor.cpu_threads import configure_front_end_threads
 from llmserve.structured_output import grammars
 
 logger = logging.getLogger("llmserve")
@@ -323,7 +322,5 @@ def run_server(engine_args: EngineArgs, args: ServerArgs) -> None:
     them once it has stopped, which unwinds through `serve`'s cleanup."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     signal.signal(signal.SIGTERM, _interrupt)
-    if engine_args.multiprocess:
-        configure_front_end_threads()
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(engine_args, args))
