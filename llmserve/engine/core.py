@@ -10,8 +10,9 @@ from llmserve.engine.heap_reuse import heap_size, reserve_heap
 from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from llmserve.model_executor.device import kv_cache_budget
 from llmserve.model_executor.encoder_runner import EncoderModelRunner
-from llmserve.model_executor.loader import load_model_config, resolve_model
+from llmserve.model_executor.loader import resolve_model
 from llmserve.model_executor.loader.sentence_transformers import load_pooler_config
+from llmserve.model_executor.loader.weights import load_model_config
 from llmserve.model_executor.model_runner import ModelRunner
 from llmserve.model_executor.models.decoder_config import DecoderConfig
 from llmserve.model_executor.models.registry import is_encoder, resolve_runner

@@ -17,7 +17,8 @@ from llmserve.model_executor.execution_plan import ExecutionPlan
 from llmserve.model_executor.host_memory import empty_pool, populate, populate_in_background
 from llmserve.model_executor.input_buffers import InputBuffers
 from llmserve.model_executor.kernels import native
-from llmserve.model_executor.loader import ModelSource, iter_weights
+from llmserve.model_executor.loader import ModelSource
+from llmserve.model_executor.loader.weights import iter_weights
 from llmserve.model_executor.logits_processors import (
     CompiledCache,
     apply_logits_processors,
