@@ -157,7 +157,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     load = warn_if_busy()
-    from llmserve.model_executor.loader import load_model_config, resolve_model
+    from llmserve.model_executor.loader import resolve_model
+    from llmserve.model_executor.loader.weights import load_model_config
 
     prompts = make_prompts(args, load_model_config(resolve_model(args.model)).vocab_size)
     print(

@@ -67,7 +67,8 @@ from benchmarks.soak import settled_rss
 from llmserve import LLM, RequestOutput, RequestOutputKind, SamplingParams
 from llmserve.config import EngineArgs
 from llmserve.engine.input_processor import TokensPrompt
-from llmserve.model_executor.loader import load_model_config, resolve_model
+from llmserve.model_executor.loader import resolve_model
+from llmserve.model_executor.loader.weights import load_model_config
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,9 @@ from llmserve.contracts import (
 from llmserve.engine.heap_reuse import heap_size, reserve_heap
 from llmserve.model_executor.device import kv_cache_budget
 from llmserve.model_executor.encoder_runner import EncoderModelRunner
-from llmserve.model_executor.loader import load_model_config, resolve_model
+from llmserve.model_executor.loader import resolve_model
 from llmserve.model_executor.loader.sentence_transformers import load_pooler_config
+from llmserve.model_executor.loader.weights import load_model_config
 from llmserve.model_executor.model_runner import ModelRunner
 from llmserve.model_executor.models.decoder_config import DecoderConfig
 from llmserve.model_executor.models.registry import is_encoder, resolve_runner
@@ -174,7 +175,9 @@ class EngineCore:
         runner = self.model_runner
         assert isinstance(runner, ModelRunner)
         block_size = config.cache_config.block_size
-        budget = kv_cache_budget(runner.device, config.cache_config.kv_cache_memory)
+        budget = kv_cache_budget(
+            runner.device, config.cache_config.kv_cache_memory, config.parallel_config.data_parallel_size
+        )
         scheduler = config.scheduler_config
         block_bytes = runner.kv_cache_bytes_per_block(block_size)
         num_blocks = budget // block_bytes

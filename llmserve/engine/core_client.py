@@ -10,7 +10,6 @@ from abc import ABC, abstractmethod
 
 from llmserve.config import EngineConfig, ResolvedLimits
 from llmserve.contracts import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from llmserve.engine.core import EngineCore
 
 
 class EngineCoreClient(ABC):
@@ -83,6 +82,9 @@ class InprocClient(EngineCoreClient):
     """The core in this process: `get_output()` runs one step. For tests and debugging."""
 
     def __init__(self, config: EngineConfig) -> None:
+        # here, not at the top: a front end whose core runs in another process never loads torch
+        from llmserve.engine.core import EngineCore
+
         self.engine_core = EngineCore(config)
         self.engine_core.warm_up(heap_kept=False)  # this process's heap is its own
         self.limits = self.engine_core.limits

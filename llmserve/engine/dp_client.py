@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-import torch
 import zmq
 
 from llmserve.config import EngineConfig
@@ -32,21 +31,17 @@ from llmserve.engine.core_client import EngineCoreClient
 from llmserve.engine.exceptions import EngineDeadError
 from llmserve.engine.mp_client import AsyncMPClient, MPClient, SyncMPClient
 from llmserve.model_executor.cpu_threads import rank_placement
-from llmserve.model_executor.device import kv_cache_budget, resolve_device
 
 Rank = TypeVar("Rank", bound=MPClient)
 
 
 def rank_configs(config: EngineConfig) -> list[tuple[EngineConfig, list[int] | None]]:
     """Each rank's config and CPUs. Unset, a rank's threads are this process's cores divided among the
-    ranks, and its KV pool the default pool divided among them, so N ranks use what one core would."""
+    ranks (its default KV pool, a share of the host's, each rank sizes itself: `kv_cache_budget`)."""
     size = config.parallel_config.data_parallel_size
     threads, cpus = rank_placement(size, config.model_config.num_threads)
-    cache = config.cache_config
-    if cache.kv_cache_memory is None and resolve_device(config.model_config.device).type == "cpu":
-        cache = dataclasses.replace(cache, kv_cache_memory=kv_cache_budget(torch.device("cpu"), None) // size)
     model = dataclasses.replace(config.model_config, num_threads=threads)
-    rank_config = dataclasses.replace(config, model_config=model, cache_config=cache)
+    rank_config = dataclasses.replace(config, model_config=model)
     return [(rank_config, cpus[rank] if cpus else None) for rank in range(size)]
 
 

@@ -1,8 +1,8 @@
 """The engine core in its own process: `SyncMPClient` (for `LLM`) and `AsyncMPClient` (for `AsyncLLM`).
 
-Both start an `EngineCoreProc` (`python -m llmserve.engine.core_proc`), wait for its READY and watch
-its process sentinel wherever they wait for its output socket, so a core that dies wakes every waiter with
-`EngineDeadError`: never a hang.
+Both start an `EngineCoreProc` (`python -m llmserve.engine.core_proc`, through `core_launcher.py`), wait
+for its READY and watch its process sentinel wherever they wait for its output socket, so a core that dies
+wakes every waiter with `EngineDeadError`: never a hang.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import zmq
 from llmserve.config import EngineConfig, ResolvedLimits
 from llmserve.contracts import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from llmserve.engine.core_client import EngineCoreClient
-from llmserve.engine.core_proc import ipc_addresses, make_socket, start_engine_core
+from llmserve.engine.core_launcher import ipc_addresses, make_socket, start_engine_core
 from llmserve.engine.exceptions import EngineDeadError
 from llmserve.engine.messages import (
     EngineCoreEventType,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from llmserve.contracts import EngineCoreOutput, EngineCoreRequest, FinishReason
 from llmserve.metrics.stats import FinishedRequestStats, IterationStats
@@ -42,5 +41,8 @@ class PoolingRequestState:
     def make_output(self) -> PoolingRequestOutput[PoolingOutput] | None:
         if self.vector is None:
             return None
+        # here, not at the top: the front end loads torch only once a pooling request returns a tensor
+        import torch
+
         data = torch.from_numpy(np.frombuffer(self.vector, dtype="<f4").copy())
         return PoolingRequestOutput(self.request_id, PoolingOutput(data), self.prompt_token_ids, True)

@@ -22,7 +22,7 @@ import setproctitle
 import zmq
 
 from llmserve.config import EngineConfig
-from llmserve.engine.core_proc import LOG_FORMAT, PROCESS_TITLE, EngineCoreProc, make_socket
+from llmserve.engine.core_launcher import LOG_FORMAT, PROCESS_TITLE, make_socket
 from llmserve.engine.messages import EngineCoreRequestType
 
 SHUTDOWN_TIMEOUT_S = 5.0  # for the actor to finish its step and return, before it is killed
@@ -56,6 +56,9 @@ class EngineCoreActor:
     def run(
         self, config: EngineConfig, input_address: str, output_address: str, rank: int, heartbeat: bool
     ) -> int:
+        # here, in the actor's process: the front end that imports this module loads no torch
+        from llmserve.engine.core_proc import EngineCoreProc
+
         setproctitle.setproctitle(f"{PROCESS_TITLE}_DP{rank}")
         logging.basicConfig(level=logging.INFO, format=f"[DP{rank}] {LOG_FORMAT}")
         return EngineCoreProc(config, input_address, output_address, heartbeat).run()

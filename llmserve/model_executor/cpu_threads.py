@@ -2,15 +2,14 @@
 
 The engine core's OpenMP threads spin at barriers between operations; a second busy process on one of
 their cores stalls every barrier (a 2-thread run slows 3-10x). So the core takes the cores this
-process may run on, and the server's front end, a process we own, keeps torch to one thread (it only
-tokenizes, detokenizes and moves messages). `LLM` and `AsyncLLM` leave their caller's process as it is.
+process may run on; the server's front end, a process we own, loads no torch and so starts no compute
+threads (it only tokenizes, detokenizes and moves messages). This module only counts and places the
+threads, for both sides; the core applies the count (`device.configure_core_threads`).
 """
 
 from __future__ import annotations
 
 import os
-
-import torch
 
 
 def core_thread_count(requested: int | None) -> int:
@@ -32,14 +31,3 @@ def rank_placement(size: int, requested: int | None) -> tuple[int, list[list[int
     if threads * size > len(cores):
         return threads, None
     return threads, [cores[rank * threads : (rank + 1) * threads] for rank in range(size)]
-
-
-def configure_core_threads(requested: int | None) -> int:
-    count = core_thread_count(requested)
-    torch.set_num_threads(count)
-    return count
-
-
-def configure_front_end_threads() -> None:
-    """For a front end whose engine core runs in another process."""
-    torch.set_num_threads(1)

@@ -1,4 +1,5 @@
-"""Where the model runs and in which dtype, decided once from the config and the hardware."""
+"""Where the model runs, in which dtype and on how many threads, decided once from the config and the
+hardware."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from typing import TypeVar
 
 import torch
 from torch import nn
+
+from llmserve.model_executor.cpu_threads import core_thread_count
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -18,6 +21,13 @@ def resolve_device(device: str) -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was requested but no CUDA device is available.")
     return torch.device(device)
+
+
+def configure_core_threads(requested: int | None) -> int:
+    """torch's compute threads for this engine core (see cpu_threads.py); returns their count."""
+    count = core_thread_count(requested)
+    torch.set_num_threads(count)
+    return count
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -41,15 +51,16 @@ def materialize(model: M, device: torch.device, dtype: torch.dtype) -> M:
     return model._apply(empty)
 
 
-def kv_cache_budget(device: torch.device, requested: int | None) -> int:
+def kv_cache_budget(device: torch.device, requested: int | None, ranks: int = 1) -> int:
     """Bytes for the KV pool: as requested, else most of a GPU's free memory, else a quarter of the
-    host's available memory capped at 4 GiB (enough for ~90k tokens of a small model in fp32)."""
+    host's available memory capped at 4 GiB (enough for ~90k tokens of a small model in fp32), shared
+    by the `ranks` data-parallel ranks, so that N ranks use what one core would."""
     if requested is not None:
         return requested
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.8)
-    return min(4 << 30, _available_host_memory() // 4)
+    return min(4 << 30, _available_host_memory() // 4) // ranks
 
 
 def _available_host_memory() -> int:

@@ -14,10 +14,10 @@ import torch
 
 from llmserve.config import ModelConfig
 from llmserve.contracts import ModelRunnerOutput, SchedulerOutput
-from llmserve.model_executor.cpu_threads import configure_core_threads
-from llmserve.model_executor.device import materialize, resolve_device, resolve_dtype
+from llmserve.model_executor.device import configure_core_threads, materialize, resolve_device, resolve_dtype
 from llmserve.model_executor.execution_plan import ExecutionPlan
-from llmserve.model_executor.loader import ModelSource, iter_weights
+from llmserve.model_executor.loader import ModelSource
+from llmserve.model_executor.loader.weights import iter_weights
 from llmserve.model_executor.models.bert import BertConfig
 from llmserve.model_executor.models.registry import encoder_class
 from llmserve.model_executor.pooler import Pooler, PoolerConfig, PoolingSpan, vector_bytes

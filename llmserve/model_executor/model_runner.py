@@ -12,13 +12,13 @@ import torch
 from llmserve.config import KVCacheDtype, ModelConfig
 from llmserve.contracts import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from llmserve.model_executor.attention import AttentionMetadata, PrefillChunk
-from llmserve.model_executor.cpu_threads import configure_core_threads
-from llmserve.model_executor.device import materialize, resolve_device, resolve_dtype
+from llmserve.model_executor.device import configure_core_threads, materialize, resolve_device, resolve_dtype
 from llmserve.model_executor.execution_plan import ExecutionPlan
 from llmserve.model_executor.host_memory import empty_pool, populate, populate_in_background
 from llmserve.model_executor.input_buffers import InputBuffers
 from llmserve.model_executor.kernels import native
-from llmserve.model_executor.loader import ModelSource, iter_weights
+from llmserve.model_executor.loader import ModelSource
+from llmserve.model_executor.loader.weights import iter_weights
 from llmserve.model_executor.logits_processors import (
     CompiledCache,
     apply_logits_processors,

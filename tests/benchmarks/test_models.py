@@ -15,7 +15,7 @@ from gguf.quants import dequantize
 
 from benchmarks import models
 from benchmarks.common.synthetic_gguf import SyntheticShape, write_synthetic_gguf
-from llmserve.model_executor.loader import load_model_config, load_tokenizer, resolve_model
+from llmserve.model_executor.loader import load_tokenizer, resolve_model
 from llmserve.model_executor.loader.gguf_file import map_tensor_data, read_gguf_header, tensor_bytes
 from llmserve.model_executor.loader.joined_model import (
     JoinedModel,
@@ -25,6 +25,7 @@ from llmserve.model_executor.loader.joined_model import (
 )
 from llmserve.model_executor.loader.model_source import QWEN2_5_CODER_0_5B_INSTRUCT
 from llmserve.model_executor.loader.tokenizer import eos_token_ids
+from llmserve.model_executor.loader.weights import load_model_config
 from llmserve.model_executor.models.decoder_config import DecoderConfig
 
 F32, Q4_K, Q6_K = GGMLQuantizationType.F32, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K

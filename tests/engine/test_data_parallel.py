@@ -13,13 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from llmserve import LLM, AsyncLLM, SamplingParams
 from llmserve.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
-from llmserve.engine.core_proc import PROCESS_TITLE
+from llmserve.engine.core_launcher import PROCESS_TITLE
 from llmserve.engine.dp_client import DPLBAsyncMPClient, DPSyncMPClient, LoadBalancer
 from llmserve.engine.exceptions import EngineDeadError
 from llmserve.engine.messages import HEARTBEAT_INTERVAL_S
+from llmserve.model_executor import device
 from llmserve.model_executor.cpu_threads import rank_placement
 from llmserve.sampling_params import SamplingParams as Params
 
@@ -92,6 +94,14 @@ def test_each_rank_gets_its_own_cores_when_they_fit() -> None:
     assert threads == 1
     assert cpus == ([[cores[0]], [cores[1]]] if len(cores) >= 2 else None)
     assert rank_placement(2, len(cores))[1] is None  # they would share cores: not pinned
+
+
+def test_ranks_share_the_default_host_kv_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(device, "_available_host_memory", lambda: 8 << 30)
+    cpu = torch.device("cpu")
+    assert device.kv_cache_budget(cpu, None) == 2 << 30
+    assert device.kv_cache_budget(cpu, None, ranks=2) == 1 << 30
+    assert device.kv_cache_budget(cpu, 48 << 20, ranks=2) == 48 << 20  # as requested, per rank
 
 
 @pytest.fixture(scope="module")

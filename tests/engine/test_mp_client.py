@@ -20,7 +20,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.config import EngineConfig
 from llmserve.engine.core import EngineCore
 from llmserve.engine.core_client import EngineCoreClient, InprocClient
-from llmserve.engine.core_proc import PROCESS_TITLE
+from llmserve.engine.core_launcher import PROCESS_TITLE
 from llmserve.engine.exceptions import EngineDeadError
 from llmserve.engine.front_end import make_client
 from llmserve.engine.mp_client import SyncMPClient

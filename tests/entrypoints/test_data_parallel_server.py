@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmserve.engine.core_proc import PROCESS_TITLE
+from llmserve.engine.core_launcher import PROCESS_TITLE
 from tests.entrypoints.conftest import SERVER_ARGS
 from tests.entrypoints.remote_server import RemoteServer
 

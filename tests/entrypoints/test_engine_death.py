@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from llmserve.engine.core_proc import PROCESS_TITLE
+from llmserve.engine.core_launcher import PROCESS_TITLE
 from llmserve.entrypoints.openai.server_args import ServerArgs, add_server_args, server_args_from
 from llmserve.model_executor.kernels import native
 from tests.entrypoints.conftest import MODEL, SERVER_ARGS

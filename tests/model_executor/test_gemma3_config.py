@@ -22,9 +22,9 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from safetensors.torch import load_file
 
 from llmserve import LLM, SamplingParams
-from llmserve.model_executor.loader import ModelSource, iter_weights
+from llmserve.model_executor.loader import ModelSource
 from llmserve.model_executor.loader.gguf_file import read_gguf_header
-from llmserve.model_executor.loader.weights import load_model_config
+from llmserve.model_executor.loader.weights import iter_weights, load_model_config
 from llmserve.model_executor.models.gemma3 import (
     FULL,
     GEMMA3_GGUF_LAYER_NAMES,

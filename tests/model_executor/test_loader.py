@@ -16,8 +16,9 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
 from llmserve.model_executor.layers.stored_weight import StoredTensor
-from llmserve.model_executor.loader import iter_weights, load_model_config, model_source, resolve_model
+from llmserve.model_executor.loader import model_source, resolve_model
 from llmserve.model_executor.loader.gguf_file import map_tensor_data, read_gguf_header, tensor_bytes
+from llmserve.model_executor.loader.weights import iter_weights, load_model_config
 from llmserve.model_executor.models.decoder_config import DecoderConfig
 from tests.fixtures.tiny_llama import llama_cpp_permute, write_gguf
 from tests.model_executor.stored_weights import QWEN, random_stored, real_stored_tensor

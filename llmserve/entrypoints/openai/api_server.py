@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from llmserve import __version__
 from llmserve.config import EngineArgs
 from llmserve.engine.async_llm import AsyncLLM
-from llmserve.engine.core_proc import LOG_FORMAT
+from llmserve.engine.core_launcher import LOG_FORMAT
 from llmserve.engine.exceptions import EngineDeadError
 from llmserve.entrypoints.openai.data_parallel import with_header_rank
 from llmserve.entrypoints.openai.disconnect import cancel_on_disconnect
@@ -63,7 +63,6 @@ from llmserve.entrypoints.openai.serving_tokenization import OpenAIServingTokeni
 from llmserve.entrypoints.openai.streaming import EventStreamResponse
 from llmserve.metrics.prometheus import PrometheusStatLogger
 from llmserve.metrics.stats import IterationStats
-from llmserve.model_executor.cpu_threads import configure_front_end_threads
 from llmserve.structured_output import grammars
 
 logger = logging.getLogger("llmserve")
@@ -323,7 +322,5 @@ def run_server(engine_args: EngineArgs, args: ServerArgs) -> None:
     them once it has stopped, which unwinds through `serve`'s cleanup."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     signal.signal(signal.SIGTERM, _interrupt)
-    if engine_args.multiprocess:
-        configure_front_end_threads()
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(engine_args, args))

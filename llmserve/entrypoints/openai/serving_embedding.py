@@ -6,8 +6,7 @@ import base64
 import uuid
 from contextlib import aclosing
 from functools import partial
-
-import torch
+from typing import TYPE_CHECKING
 
 from llmserve.engine.input_processor import TokensPrompt
 from llmserve.engine.queue_limits import EngineOverloadedError
@@ -21,6 +20,9 @@ from llmserve.entrypoints.openai.errors import bad_request
 from llmserve.entrypoints.openai.serving_engine import OpenAIServing, ServerOverloaded
 from llmserve.entrypoints.openai.streaming import merge_streams
 from llmserve.pooling_params import PoolingParams
+
+if TYPE_CHECKING:
+    import torch
 
 _FIELDS = EmbeddingRequest.model_fields
 
