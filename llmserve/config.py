@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -29,22 +30,54 @@ Runner = Literal["auto", "generate", "pooling"]
 ResolvedRunner = Literal["generate", "pooling"]
 
 
+def option(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    choices: Collection[str] | None = None,
+    env: str | None = None,
+) -> Any:
+    """A field declared with its flag's help (`entrypoints/flags.py` makes the flag); `flag` where it is
+    not `--field-name`, `choices` for a string, and `env`, a variable read when the flag is not given."""
+    metadata = {"help": help, "flag": flag, "choices": choices, "env": env}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def restated(config: type, name: str) -> Any:
+    """`EngineArgs`' copy of a sub-config's field: the same default and help, declared there once."""
+    source = next(f for f in dataclasses.fields(config) if f.name == name)
+    return dataclasses.field(default=source.default, metadata=source.metadata)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = DEFAULT_MODEL
-    dtype: Dtype = "auto"
-    device: Device = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    chat_template: str | None = None  # a Jinja template or a path to one; overrides the model's
-    max_logprobs: int = 20  # the largest `logprobs` a request may ask for (-1: no limit)
-    # CPU fp32, our C kernels (see quantization.py): gguf keeps a GGUF's blocks and rounds the activations
-    # to int8 per block of 32, as llama.cpp does; int8 / int4 round the weights into blocks of 32 too;
-    # fp16 keeps 2-byte weights
-    quantization: Quantization = "none"
-    num_threads: int | None = None  # the engine core's compute threads; None: OMP_NUM_THREADS or all cores
-    native_kernels: bool = True  # our C kernels (kernels/) on CPU in fp32, where they build; else PyTorch's
-    runner: Runner = "auto"
+    model: str = option(DEFAULT_MODEL, "a GGUF file, a Hugging Face folder or a packaged model's name")
+    dtype: Dtype = option("auto", "the compute dtype; auto: float32 on CPUs, bfloat16 on CUDA")
+    device: Device = option("auto", "auto: CUDA where torch sees it, else the CPU")
+    max_model_len: int | None = option(
+        None, "the longest sequence; default: the model's, capped by the KV pool"
+    )
+    seed: int = option(0, "seeds the weights' random parts and unseeded sampling")
+    chat_template: str | None = option(
+        None, "a Jinja chat template, or a file holding one; overrides the model's"
+    )
+    max_logprobs: int = option(20, "the largest `logprobs` a request may ask for (-1: no limit)")
+    quantization: Quantization = option(
+        "none",
+        "CPU, float32, our C kernels (quantization.py): gguf keeps a GGUF's blocks and rounds the "
+        "activations to int8 per block of 32, as llama.cpp does; int8 and int4 round the weights into "
+        "blocks of 32 too; fp16 keeps 2-byte weights",
+    )
+    num_threads: int | None = option(
+        None, "the engine core's compute threads; default OMP_NUM_THREADS, else all cores"
+    )
+    native_kernels: bool = option(
+        True, "our C kernels on the CPU in float32 where they build; else PyTorch's"
+    )
+    runner: Runner = option(
+        "auto", "generate tokens or pool the prompt (embeddings); auto: pooling for encoders"
+    )
 
     def __post_init__(self) -> None:
         if self.runner not in get_args(Runner):
@@ -64,11 +97,16 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    # Bytes for the KV pool; None sizes it from free memory (see `kv_cache_budget`).
-    kv_cache_memory: int | None = None
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: KVCacheDtype = "auto"
+    block_size: int = option(16, "tokens per KV cache block (a power of two)")
+    kv_cache_memory: int | None = option(
+        None, "bytes for the KV pool; default on CPUs: a quarter of available memory, at most 4 GiB"
+    )
+    enable_prefix_caching: bool = option(
+        True, "share the KV blocks of a common prompt prefix between requests"
+    )
+    kv_cache_dtype: KVCacheDtype = option(
+        "auto", "bfloat16: a float32 model's keys and values in half the bytes, rounded once when written"
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -82,14 +120,20 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    # fcfs: arrival order. priority (vLLM's): lower `priority` first, then arrival; when KV blocks run
-    # out, the running request last in that order is preempted instead of the newest.
-    scheduling_policy: SchedulingPolicy = "fcfs"
-    # Seconds a request may wait in the core's queue before it is first scheduled; past that it ends
-    # unrun (finish reason queue_timeout, a 503 from the server). None: it waits as long as it takes.
-    max_queue_time: float | None = None
+    max_num_seqs: int = option(128, "the most sequences running in one step")
+    max_num_batched_tokens: int = option(
+        2048, "the most tokens computed in one step (longer prompts go in chunks)"
+    )
+    scheduling_policy: SchedulingPolicy = option(
+        "fcfs",
+        "fcfs: arrival order; priority: lower `priority` first, then arrival, and when KV blocks run out "
+        "the running request last in that order is preempted instead of the newest",
+    )
+    max_queue_time: float | None = option(
+        None,
+        "seconds a request may wait before it is first scheduled; past that it ends unrun (queue_timeout, "
+        "a 503 from the server); default: as long as it takes",
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -118,8 +162,10 @@ class ParallelConfig:
     """Data parallelism: `data_parallel_size` engine cores, each with its own KV pool and threads, behind
     one front end that balances requests over them (see engine/dp_client.py)."""
 
-    data_parallel_size: int = 1
-    data_parallel_backend: DataParallelBackend = "mp"
+    data_parallel_size: int = option(1, "engine cores, each with its own KV pool and threads")
+    data_parallel_backend: DataParallelBackend = option(
+        "mp", "mp: the cores as local processes; ray: as actors on the cluster RAY_ADDRESS names"
+    )
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
@@ -136,11 +182,13 @@ class StructuredOutputsConfig:
     count the items of one `choice`, `enum`, `anyOf` or `|` alternation. `grammar_timeout` (seconds)
     bounds a grammar's validation, after which the request fails alone."""
 
-    max_grammar_bytes: int = 1 << 20
-    max_grammar_depth: int = 128
-    max_grammar_rules: int = 2000
-    max_grammar_alternatives: int = 10_000
-    grammar_timeout: float = 10.0
+    max_grammar_bytes: int = option(1 << 20, "the largest schema, regex, choice or grammar")
+    max_grammar_depth: int = option(128, "the deepest nesting of a structured output's grammar")
+    max_grammar_rules: int = option(2000, "the most rules of a Lark or GBNF grammar")
+    max_grammar_alternatives: int = option(
+        10_000, "the most items of one choice, enum, anyOf or | alternation"
+    )
+    grammar_timeout: float = option(10.0, "seconds a grammar's validation may take before its request fails")
 
     def __post_init__(self) -> None:
         for name in (
@@ -263,35 +311,37 @@ class ResolvedLimits:
 class EngineArgs:
     """Every engine option, flat: `LLM(**kwargs)` and the CLI flags are generated from these fields."""
 
-    model: str = DEFAULT_MODEL
-    dtype: Dtype = "auto"
-    device: Device = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    chat_template: str | None = None
-    max_logprobs: int = 20
-    quantization: Quantization = "none"
-    num_threads: int | None = None
-    native_kernels: bool = True
-    runner: Runner = "auto"
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: KVCacheDtype = "auto"
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    scheduling_policy: SchedulingPolicy = "fcfs"
-    max_queue_time: float | None = None  # seconds
-    data_parallel_size: int = 1
-    data_parallel_backend: DataParallelBackend = "mp"
-    # vLLM's: {"method": "ngram", "num_speculative_tokens": K, ...}, or its JSON (see SpeculativeConfig)
-    speculative_config: dict[str, Any] | str | None = None
-    max_grammar_bytes: int = 1 << 20
-    max_grammar_depth: int = 128
-    max_grammar_rules: int = 2000
-    max_grammar_alternatives: int = 10_000
-    grammar_timeout: float = 10.0  # seconds
-    multiprocess: bool = True  # run the engine core in its own process (False: in this one)
+    model: str = restated(ModelConfig, "model")
+    dtype: Dtype = restated(ModelConfig, "dtype")
+    device: Device = restated(ModelConfig, "device")
+    max_model_len: int | None = restated(ModelConfig, "max_model_len")
+    seed: int = restated(ModelConfig, "seed")
+    chat_template: str | None = restated(ModelConfig, "chat_template")
+    max_logprobs: int = restated(ModelConfig, "max_logprobs")
+    quantization: Quantization = restated(ModelConfig, "quantization")
+    num_threads: int | None = restated(ModelConfig, "num_threads")
+    native_kernels: bool = restated(ModelConfig, "native_kernels")
+    runner: Runner = restated(ModelConfig, "runner")
+    block_size: int = restated(CacheConfig, "block_size")
+    kv_cache_memory: int | None = restated(CacheConfig, "kv_cache_memory")
+    enable_prefix_caching: bool = restated(CacheConfig, "enable_prefix_caching")
+    kv_cache_dtype: KVCacheDtype = restated(CacheConfig, "kv_cache_dtype")
+    max_num_seqs: int = restated(SchedulerConfig, "max_num_seqs")
+    max_num_batched_tokens: int = restated(SchedulerConfig, "max_num_batched_tokens")
+    scheduling_policy: SchedulingPolicy = restated(SchedulerConfig, "scheduling_policy")
+    max_queue_time: float | None = restated(SchedulerConfig, "max_queue_time")
+    data_parallel_size: int = restated(ParallelConfig, "data_parallel_size")
+    data_parallel_backend: DataParallelBackend = restated(ParallelConfig, "data_parallel_backend")
+    speculative_config: dict[str, Any] | str | None = option(
+        None,
+        'vLLM\'s, as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3} (see SpeculativeConfig)',
+    )
+    max_grammar_bytes: int = restated(StructuredOutputsConfig, "max_grammar_bytes")
+    max_grammar_depth: int = restated(StructuredOutputsConfig, "max_grammar_depth")
+    max_grammar_rules: int = restated(StructuredOutputsConfig, "max_grammar_rules")
+    max_grammar_alternatives: int = restated(StructuredOutputsConfig, "max_grammar_alternatives")
+    grammar_timeout: float = restated(StructuredOutputsConfig, "grammar_timeout")
+    multiprocess: bool = option(True, "run the engine core in its own process (False: in the caller's)")
 
     def create_engine_config(self) -> EngineConfig:
         def pick(cls: type) -> dict[str, object]:

@@ -1,6 +1,6 @@
 """Command-line flags generated from an options dataclass (`EngineArgs`, `ServerArgs`), so that each
-option is declared once: its field's name, type and default make the flag, and `option()` adds its help
-and, where vLLM spells the flag otherwise, that spelling."""
+option is declared once: its field's name, type and default make the flag, and its metadata
+(`config.option()`) its help and, where vLLM spells the flag otherwise, that spelling."""
 
 from __future__ import annotations
 
@@ -10,20 +10,6 @@ import os
 import typing
 from collections.abc import Collection
 from typing import Any
-
-
-def option(
-    default: Any,
-    help: str,
-    *,
-    flag: str | None = None,
-    choices: Collection[str] | None = None,
-    env: str | None = None,
-) -> Any:
-    """A field whose flag says `help`; `flag` where it is not `--field-name`, `choices` for a string, and
-    `env`, a variable read when the flag is not given."""
-    metadata = {"help": help, "flag": flag, "choices": choices, "env": env}
-    return dataclasses.field(default=default, metadata=metadata)
 
 
 def add_flags(parser: argparse.ArgumentParser, options: type, skip: Collection[str] = ()) -> None:

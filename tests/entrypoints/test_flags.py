@@ -1,5 +1,5 @@
 """Each option is declared once: `llmserve serve`'s flags come from `ServerArgs` and `EngineArgs`, and
-`EngineArgs` restates the engine's sub-configs field for field, with their defaults."""
+`EngineArgs` restates the engine's sub-configs field for field, with their defaults and help."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ def test_engine_args_restate_every_sub_config_field_with_its_default() -> None:
         for f in dataclasses.fields(config):
             assert f.name in args, f"{config.__name__}.{f.name} has no EngineArgs field"
             assert args[f.name].default == f.default, f"{f.name}: EngineArgs and {config.__name__} differ"
+            assert args[f.name].metadata["help"] == f.metadata["help"], f.name
             assert f.name not in seen, f"{f.name} is in two sub-configs"
             seen.add(f.name)
     assert set(args) - seen == NOT_IN_A_SUB_CONFIG
@@ -48,6 +49,7 @@ def test_serve_has_a_flag_for_every_option_and_its_defaults_are_the_fields(
         assert f.metadata["help"], f.name
         assert (f.metadata["flag"] or "--" + f.name.replace("_", "-")) in help_text
     for f in dataclasses.fields(EngineArgs):
+        assert f.metadata["help"], f.name
         if f.name != "model":
             assert "--" + f.name.replace("_", "-") in help_text
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from llmserve.config import option
 from llmserve.engine.messages import HEARTBEAT_INTERVAL_S
-from llmserve.entrypoints.flags import add_flags, option, values_from
+from llmserve.entrypoints.flags import add_flags, values_from
 from llmserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "LLMSERVE_API_KEY"
