@@ -17,6 +17,7 @@ import torch
 
 from llmserve.model_executor.attention import AttentionMetadata, PrefillChunk, paged_attention
 from llmserve.model_executor.kernels import native
+from llmserve.model_executor.kernels.structs import MLPKind
 from llmserve.scheduling.kv_cache_manager import KVCacheManager
 from tests.model_executor.test_native_attention import reference_attention
 from tests.scheduling.fake_requests import make_request
@@ -171,21 +172,24 @@ def decoder_spec(
         return native.Weight(parts, 1, None)
 
     kv_heads, num_blocks, block_size, head_dim = caches[0].shape
+    hidden, intermediate = weights["o"].shape[0], weights["down"].shape[1]
     layers = (native.LayerSpec * 1)()
     layers[0] = native.LayerSpec(
         input_norm=weights["norm"].data_ptr(),
         post_norm=weights["norm"].data_ptr(),
         qkv=weight(weights["qkv"]),
         o=weight(weights["o"]),
+        mlp_kind=MLPKind.GATED,
         gate_up=weight(weights["gate_up"]),
         down=weight(weights["down"]),
+        intermediate=intermediate,
+        activation=native.ACTIVATIONS["silu"],
         k_cache=caches[0].data_ptr(),
         v_cache=caches[1].data_ptr(),
         sliding_window=window,
         rope_cos=weights["cos"].data_ptr(),
         rope_sin=weights["sin"].data_ptr(),
     )
-    hidden, intermediate = weights["o"].shape[0], weights["down"].shape[1]
     spec = native.DecoderSpec(
         num_layers=1,
         hidden=hidden,
