@@ -220,4 +220,6 @@ typedef struct {
 int tables_in_bounds(const int64_t *block_tables, const int64_t *seq_lens, int64_t rows, int64_t max_blocks,
                      int64_t num_blocks, int64_t block_size);
 
+#include "exports.h"
+
 #endif

@@ -7,7 +7,8 @@ start-up and logged; `LLMSERVE_CPU_ISA=avx512` (or `avx2`, `generic`) forces a l
 the tests cover every variant on one machine. Without a compiler the callers keep the PyTorch path, with
 a warning; with `LLMSERVE_REQUIRE_NATIVE=1` (as CI sets) a build or load failure is an error carrying
 the compiler's output instead. build.py compiles; structs.py holds the ctypes structs, checked against
-the C layout at load. The wrappers check what they pass (dtypes, contiguity, shapes) and the kernels the
+the C layout at load, and signatures.py each function's ctypes declaration, checked against its C
+prototype at load. The wrappers check what they pass (dtypes, contiguity, shapes) and the kernels the
 block tables' bounds, raising ValueError: a wrong tensor would otherwise be read as raw memory.
 
 - `dequant.c`: rows of a weight in its stored format (GGUF blocks, fp16, bf16) widened to fp32.
@@ -31,6 +32,7 @@ import platform
 import torch
 
 from llmserve.model_executor.kernels.build import BuildError, build, cache_dir
+from llmserve.model_executor.kernels.signatures import declare, signature_mismatches
 from llmserve.model_executor.kernels.structs import (
     ACTIVATIONS,
     BLOCK_GEMV_MAX_ROWS,
@@ -54,9 +56,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_I64 = ctypes.c_int64
-_PTR = ctypes.c_void_p
 
 # Instruction set → (the CPU flags it needs, its compiler flags), best first. x86-64-v4 is AVX-512
 # F/BW/CD/DQ/VL; `avx512_vnni` adds the int8 multiply-add that block_q8.c's products take in one
@@ -114,34 +113,11 @@ def _load(isa: str) -> ctypes.CDLL | None:
     mismatches = layout_mismatches(library)
     if mismatches:  # a bug in this package, not the machine: never a silent fallback
         raise RuntimeError(f"The ctypes structs or constants differ from C's: {'; '.join(mismatches)}.")
+    mismatches = signature_mismatches(library)
+    if mismatches:
+        raise RuntimeError(f"The ctypes declarations differ from C's prototypes: {'; '.join(mismatches)}.")
+    declare(library)
     logger.info("Native kernels: %s build.", isa)
-    library.kernels_isa.restype = ctypes.c_char_p
-    library.paged_decode_attention.argtypes = [_PTR] * 6 + [_I64] * 9 + [ctypes.c_float, ctypes.c_int]
-    library.paged_decode_attention.restype = ctypes.c_int
-    library.prefill_attention.argtypes = (
-        [_PTR] * 4 + [_I64] * 3 + [_PTR] + [_I64] * 7 + [ctypes.c_float, ctypes.c_int]
-    )
-    library.prefill_attention.restype = ctypes.c_int
-    library.block_gemv.argtypes = [_PTR, _I64, _I64, ctypes.POINTER(Weight), _I64, _PTR, ctypes.c_int]
-    library.block_gemv.restype = ctypes.c_int
-    library.int8_gemm.argtypes = [_PTR, _I64, _I64, ctypes.POINTER(Weight), _I64, _PTR, ctypes.c_int]
-    library.int8_gemm.restype = ctypes.c_int
-    library.int8_gemm_available.restype = ctypes.c_int
-    library.round_rows.argtypes = [_PTR, _I64, _I64, _PTR]
-    library.is_block_type.argtypes = [ctypes.c_int]
-    library.row_bytes.argtypes = [ctypes.c_int, _I64]
-    library.row_bytes.restype = _I64
-    library.dequantize_rows.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _I64, _PTR, ctypes.c_int]
-    library.dequantize_rows.restype = ctypes.c_int
-    library.weight_gemm.argtypes = [_PTR, _I64, _I64, ctypes.POINTER(Weight), _PTR, ctypes.c_int]
-    library.weight_gemm.restype = ctypes.c_int
-    spec, i64, ptr = ctypes.POINTER(DecoderSpec), _I64, _PTR
-    library.decoder_step.argtypes = [spec, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int]
-    library.decoder_step.restype = ctypes.c_int
-    library.argmax_rows.argtypes = [_PTR, _I64, _I64, _PTR, ctypes.c_int]
-    library.argmax_rows.restype = None
-    library.gated_activation.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int]
-    library.gated_activation.restype = None
     return library
 
 
