@@ -458,17 +458,18 @@ int64_t share_rows(const Weight *w, int64_t in, int64_t per_output, int64_t out,
 }
 
 /* x: [rows, in] fp32 (rows <= BLOCK_GEMV_MAX_ROWS), rounded here; W: [out, in] in GGUF blocks; y [rows,
- * out] = x @ W.T + bias. Returns 0, -1 for a type or shape it cannot take, -2 when out of memory. */
+ * out] = x @ W.T + bias. Returns KERNEL_OK, KERNEL_UNSUPPORTED for a type or shape it cannot take, or
+ * KERNEL_NO_MEMORY. */
 int block_gemv(const float *x, int64_t rows, int64_t in, const Weight *w, int64_t out, float *y, int num_threads)
 {
     if (rows < 1 || rows > BLOCK_GEMV_MAX_ROWS || in % QK != 0 || !reads_blocks(w, in))
-        return -1;
+        return KERNEL_UNSUPPORTED;
     const int64_t nblocks = rows * in / QK;
     float *scales = malloc(sizeof(float) * nblocks * 2);
     int8_t *q = malloc((size_t)(rows * in));
     BlockInput input = {.x = x, .rows = rows, .in = in};
-    const int status = scales == NULL || q == NULL ? -2 : 0;
-    if (status == 0) {
+    const int status = scales == NULL || q == NULL ? KERNEL_NO_MEMORY : KERNEL_OK;
+    if (status == KERNEL_OK) {
         prepare_input(&input, q, scales, scales + nblocks);
         const int64_t chunk = share_rows(w, in, 1, out, num_threads);
 #pragma omp parallel for schedule(guided, chunk) num_threads(num_threads)

@@ -281,19 +281,19 @@ void int8_gemm_share(const Int8Rows *x, const Weight *w, int64_t out, float *y, 
 #endif
 }
 
-/* x: [rows, in] fp32, rounded here; W: [out, in] in GGUF blocks; y: [rows, out]. Returns 0, -1 where
- * this CPU or this weight has no such product, -2 when out of memory. */
+/* x: [rows, in] fp32, rounded here; W: [out, in] in GGUF blocks; y: [rows, out]. Returns KERNEL_OK,
+ * KERNEL_UNSUPPORTED where this CPU or this weight has no such product, or KERNEL_NO_MEMORY. */
 int int8_gemm(const float *x, int64_t rows, int64_t in, const Weight *w, int64_t out, float *y, int num_threads)
 {
     if (!int8_gemm_available() || rows < 1 || in % QK != 0 || !reads_blocks(w, in))
-        return -1;
+        return KERNEL_UNSUPPORTED;
     const int64_t padded = (rows + INT8_GEMM_ROWS - 1) / INT8_GEMM_ROWS * INT8_GEMM_ROWS;
     uint8_t *codes = calloc((size_t)(padded * in), 1);
     float *scales = calloc((size_t)(padded * in / QK), sizeof(float));
     float *sums = calloc((size_t)(padded * in / QK), sizeof(float));
     uint8_t *scratch = aligned_alloc(64, (size_t)(num_threads * int8_scratch_bytes(in)));
-    const int status = codes && scales && sums && scratch ? 0 : -2;
-    if (status == 0) {
+    const int status = codes && scales && sums && scratch ? KERNEL_OK : KERNEL_NO_MEMORY;
+    if (status == KERNEL_OK) {
         const Int8Rows rounded = {codes, scales, sums, rows, in};
 #pragma omp parallel num_threads(num_threads)
         {

@@ -25,6 +25,10 @@
 enum { MLP_GATED = 0 };
 enum { ACTIVATION_SILU = 0, ACTIVATION_GELU_TANH = 1 };
 
+/* What the functions native.py calls return: KERNEL_OK, or why they did nothing useful (native.py raises
+ * on each by name; structs.py's KernelStatus). */
+enum { KERNEL_OK = 0, KERNEL_UNSUPPORTED = -1, KERNEL_NO_MEMORY = -2, KERNEL_OUT_OF_BOUNDS = -3 };
+
 /* GGML type ids of the stored weights we read. */
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
        BF16 = 30 };

@@ -37,7 +37,9 @@ from llmserve.model_executor.kernels.structs import (
     ACTIVATIONS,
     BLOCK_GEMV_MAX_ROWS,
     MAX_WEIGHT_PARTS,
+    QK,
     DecoderSpec,
+    KernelStatus,
     LayerSpec,
     Weight,
     WeightPart,
@@ -228,9 +230,9 @@ def paged_decode_attention(
         scale,
         torch.get_num_threads(),
     )
-    if status == -2:
+    if status == KernelStatus.OUT_OF_BOUNDS:
         raise ValueError(f"paged_decode_attention: a length or block id out of bounds ({num_blocks} blocks).")
-    if status != 0:
+    if status != KernelStatus.OK:
         raise MemoryError("paged_decode_attention could not allocate its score buffer.")
     return out.to(q_dtype)
 
@@ -276,14 +278,14 @@ def prefill_attention(
         scale,
         torch.get_num_threads(),
     )
-    if status == -1:
+    if status == KernelStatus.UNSUPPORTED:
         return None
-    if status == -2:
+    if status == KernelStatus.OUT_OF_BOUNDS:
         raise ValueError(
             f"prefill_attention: the table ({block_table.shape[0]} blocks) does not cover positions up to"
             f" {context_len + q_len - 1}, or holds an id outside [0, {num_blocks})."
         )
-    if status != 0:
+    if status != KernelStatus.OK:
         raise MemoryError("prefill_attention could not allocate its buffers.")
     return out.to(q_dtype)
 
@@ -322,7 +324,7 @@ def block_gemv(
     """x [rows <= 16, in] fp32, rounded to int8 per block of 32, @ W.T (+ bias), W [out_features, in] in
     GGUF blocks (block_q8.c: what decode steps with int8 activations compute); into `out` where given."""
     status, y = _int8_product("block_gemv", x, weight, out_features, out)
-    if status != 0:
+    if status != KernelStatus.OK:
         types = sorted({weight.parts[i].qtype for i in range(weight.num_parts)})
         raise ValueError(
             f"block_gemv cannot take x {tuple(x.shape)} with block types {types} (status {status})."
@@ -342,9 +344,9 @@ def int8_gemm(
     GGUF blocks, for many rows (int8_gemm.c), into `out` where given; None where this CPU (see
     int8_gemm_available) or W has no such product."""
     status, y = _int8_product("int8_gemm", x, weight, out_features, out)
-    if status == -2:
+    if status == KernelStatus.NO_MEMORY:
         raise MemoryError("int8_gemm could not allocate its buffers.")
-    return y if status == 0 else None
+    return y if status == KernelStatus.OK else None
 
 
 def _int8_product(
@@ -383,8 +385,8 @@ def round_rows(x: torch.Tensor) -> torch.Tensor:
     library = _library()
     x = x.contiguous()
     _check("x", x, torch.float32, 2)
-    if x.shape[-1] % 32:
-        raise ValueError(f"round_rows needs rows of 32k values, got {x.shape[-1]}.")
+    if x.shape[-1] % QK:
+        raise ValueError(f"round_rows needs rows of {QK}k values, got {x.shape[-1]}.")
     out = torch.empty_like(x)
     library.round_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
     return out
@@ -421,9 +423,9 @@ def dequantize_rows(data: torch.Tensor, qtype: int, in_features: int, ids: torch
         out.data_ptr(),
         torch.get_num_threads(),
     )
-    if status == -2:
+    if status == KernelStatus.OUT_OF_BOUNDS:
         raise ValueError(f"dequantize_rows: an id outside [0, {data.shape[0]}).")
-    if status != 0:
+    if status != KernelStatus.OK:
         raise ValueError(f"dequantize_rows cannot read type {qtype} at width {in_features}.")
     return out
 
@@ -440,7 +442,7 @@ def weight_gemm(
     status = library.weight_gemm(
         x.data_ptr(), x.shape[0], x.shape[1], ctypes.byref(weight), y.data_ptr(), torch.get_num_threads()
     )
-    if status != 0:
+    if status != KernelStatus.OK:
         raise ValueError(f"weight_gemm cannot take x {tuple(x.shape)} with this weight's types.")
     return y
 
@@ -473,10 +475,10 @@ def decoder_step(
         out.data_ptr(),
         torch.get_num_threads(),
     )
-    if status == -3:
+    if status == KernelStatus.OUT_OF_BOUNDS:
         raise ValueError(
             f"decoder_step: a position, slot, length or block id out of bounds ({spec.num_blocks} blocks)."
         )
-    if status != 0:
+    if status != KernelStatus.OK:
         raise ValueError(f"decoder_step cannot take {x.shape[0]} rows of this model (status {status}).")
     return out

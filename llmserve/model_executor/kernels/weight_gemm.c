@@ -506,15 +506,16 @@ void weight_gemm_share(const float *x, int64_t m, int64_t k, const Weight *w, fl
     }
 }
 
-/* y [m, n] = x [m, k] @ W.T (+ bias). Returns 0, or -1 for a part of a type or width we do not read. */
+/* y [m, n] = x [m, k] @ W.T (+ bias). Returns KERNEL_OK, or KERNEL_UNSUPPORTED for a part of a type or
+ * width we do not read. */
 int weight_gemm(const float *x, int64_t m, int64_t k, const Weight *w, float *y, int num_threads)
 {
     if (w->num_parts < 1 || w->num_parts > MAX_WEIGHT_PARTS)
-        return -1;
+        return KERNEL_UNSUPPORTED;
     for (int64_t p = 0; p < w->num_parts; p++)
         if (row_bytes((int)w->parts[p].qtype, k) == 0)
-            return -1;
+            return KERNEL_UNSUPPORTED;
 #pragma omp parallel num_threads(num_threads)
     weight_gemm_share(x, m, k, w, y, 0);
-    return 0;
+    return KERNEL_OK;
 }
