@@ -13,13 +13,10 @@
  * enabled, not what the file is called, so the tests can check that a forced build is the one loaded. */
 const char *kernels_isa(void)
 {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512CD__) && defined(__AVX512DQ__) && \
-    defined(__AVX512VL__)
-#ifdef __AVX512VNNI__
+#if defined(USE_AVX512_VNNI)
     return "avx512_vnni";
-#else
+#elif defined(USE_AVX512)
     return "avx512";
-#endif
 #elif defined(USE_AVX2)
     return "avx2";
 #else

@@ -21,31 +21,18 @@
 #include "kernels.h"
 #include "vector_exp.h"
 
-#if defined(__AVX512F__)
-#define VL 16
+#ifdef USE_AVX512 /* rows of a register tile */
 #define MR 6
-#elif defined(__AVX__)
-#define VL 8
-#define MR 3
 #else
-#define VL 4
 #define MR 3
 #endif
 #define KV_VECTORS 4           /* vectors of keys (or of head_dim) per register tile */
 #define KC (KV_VECTORS * VL)   /* keys per chunk of the online softmax */
 #define TASK_ROWS 48           /* query rows a task aims at: its positions times the group's heads */
 
-typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(VL * sizeof(float))));
 typedef uint32_t vu __attribute__((vector_size(VL * sizeof(float))));
 typedef uint16_t vh __attribute__((vector_size(VL * sizeof(uint16_t))));
-
-static inline vf vload(const float *p)
-{
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
 
 /* VL values of a cache row from element i: fp32, or bf16 (a constant after inlining) widened exactly (a
  * bf16's bits are the top half of the fp32's). */
@@ -72,7 +59,7 @@ static inline vf broadcast(float x)
 {
 #if VL == 16
     return (vf)_mm512_set1_ps(x);
-#elif VL == 8 && defined(USE_AVX2)
+#elif VL == 8
     return (vf)_mm256_set1_ps(x);
 #else
     vf v;
@@ -92,7 +79,7 @@ static inline vf vexp(vf x)
 {
 #if VL == 16
     return (vf)exp16((__m512)x);
-#elif VL == 8 && defined(USE_AVX2)
+#elif VL == 8
     return (vf)exp8((__m256)x);
 #else
     vf y;
