@@ -59,6 +59,42 @@ class StoredProduct(enum.Enum):
     WEIGHT_GEMM = "weight_gemm.c"
 
 
+# The plan's other choices; each value is the kernel's name in the start-up log.
+class DecodeAttentionKernel(enum.Enum):
+    """What a decode step's queries attend to the paged cache with."""
+
+    C = "paged_attention.c"  # in place
+    TORCH = "torch"  # the blocks gathered first
+
+
+class PrefillAttentionKernel(enum.Enum):
+    """What a prefill chunk's queries attend to their keys with."""
+
+    C = "prefill_attention.c"  # in place, from the paged cache
+    TORCH_SDPA = "torch SDPA"
+
+
+class ArgmaxKernel(enum.Enum):
+    """What sampling's argmax (every greedy token) reads the logits with."""
+
+    C = "argmax.c"
+    TORCH = "torch"
+
+
+class GatedActivationKernel(enum.Enum):
+    """What computes the MLP's act(gate) * up outside decoder_step.c."""
+
+    C = "gated_activation.c"
+    TORCH = "torch"
+
+
+class DenseProduct(enum.Enum):
+    """What a dense weight multiplies with."""
+
+    ONEDNN = "onednn"  # the weight pre-packed once
+    TORCH = "torch"  # F.linear
+
+
 @dataclass(frozen=True)
 class ExecutionPlan:
     device: torch.device
@@ -68,10 +104,10 @@ class ExecutionPlan:
     int8_activations: bool
     block_rows: int  # with int8 activations, products of up to this many rows read the blocks
     int8_gemm: bool  # with int8 activations, larger products take int8_gemm.c (AVX-512 VNNI)
-    decode_attention: str  # "paged_attention.c" | "torch"
-    prefill_attention: str  # "prefill_attention.c" | "torch SDPA"
-    argmax: str  # "argmax.c" | "torch"
-    gated_activation: str  # "gated_activation.c" | "torch": the MLP's act(gate) * up outside decoder_step.c
+    decode_attention: DecodeAttentionKernel
+    prefill_attention: PrefillAttentionKernel
+    argmax: ArgmaxKernel
+    gated_activation: GatedActivationKernel  # the MLP's act(gate) * up outside decoder_step.c
     fused_decode: bool  # decode-only steps through decoder_step.c
     reasons: tuple[str, ...]  # one line per decision that was not the fast path, for the log
     encoder: bool = False  # bidirectional, whole prompts: no KV cache, no decode
@@ -123,10 +159,10 @@ class ExecutionPlan:
             int8_activations=int8_activations,
             block_rows=native.BLOCK_GEMV_MAX_ROWS if int8_activations else 0,
             int8_gemm=int8_activations and native_path and native.int8_gemm_available(),
-            decode_attention="paged_attention.c" if c_attention else "torch",
-            prefill_attention="prefill_attention.c" if c_attention else "torch SDPA",
-            argmax="argmax.c" if library and device.type == "cpu" and not encoder else "torch",
-            gated_activation="gated_activation.c" if decoder_kernels else "torch",
+            decode_attention=DecodeAttentionKernel.C if c_attention else DecodeAttentionKernel.TORCH,
+            prefill_attention=PrefillAttentionKernel.C if c_attention else PrefillAttentionKernel.TORCH_SDPA,
+            argmax=ArgmaxKernel.C if library and device.type == "cpu" and not encoder else ArgmaxKernel.TORCH,
+            gated_activation=GatedActivationKernel.C if decoder_kernels else GatedActivationKernel.TORCH,
             fused_decode=decoder_kernels,
             reasons=tuple(reasons),
             encoder=encoder,
@@ -156,15 +192,15 @@ class ExecutionPlan:
             return StoredProduct.INT8_GEMM
         return StoredProduct.ROUNDED_THEN_WEIGHT_GEMM
 
-    def dense_product(self) -> str:
+    def dense_product(self) -> DenseProduct:
         """The kernel a dense weight multiplies with: oneDNN's pre-packed product on the CPU in fp32, and in
         bf16 where the CPU has bf16 instructions (`F.linear`'s values up to the last bf16 rounding; F.linear
         packs the weight again at every call, 1.1-1.8x slower on SmolLM2's shapes), else `F.linear`."""
         if self.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-            return "torch"
+            return DenseProduct.TORCH
         if self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and cpu_has_bf16_products()):
-            return "onednn"
-        return "torch"
+            return DenseProduct.ONEDNN
+        return DenseProduct.TORCH
 
     def describe(self) -> list[str]:
         """A few lines for the start-up log."""
@@ -177,16 +213,16 @@ class ExecutionPlan:
             else:
                 products += ", weight_gemm.c at every batch size"
         else:
-            products = f"dense {dtype} weights through {self.dense_product()}"
+            products = f"dense {dtype} weights through {self.dense_product().value}"
         lines = [f"Execution plan ({self.device.type}, {dtype}):", f"  projections: {products}"]
         if self.encoder:
             lines.append("  attention: bidirectional, torch SDPA per prompt (an encoder: no KV cache)")
         else:
             lines += [
-                f"  decode attention: {self.decode_attention}; prefill attention: {self.prefill_attention};"
-                f" sampling's argmax: {self.argmax}",
+                f"  decode attention: {self.decode_attention.value};"
+                f" prefill attention: {self.prefill_attention.value}; sampling's argmax: {self.argmax.value}",
                 f"  decode-only steps: {self._decode_steps()}",
-                f"  MLP act(gate) * up outside decoder_step.c: {self.gated_activation}",
+                f"  MLP act(gate) * up outside decoder_step.c: {self.gated_activation.value}",
             ]
         lines += [f"  because: {reason}" for reason in self.reasons]
         return lines

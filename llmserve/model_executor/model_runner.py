@@ -13,7 +13,12 @@ from llmserve.config import KVCacheDtype, ModelConfig
 from llmserve.contracts import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from llmserve.model_executor.attention import AttentionMetadata, PrefillChunk
 from llmserve.model_executor.device import configure_core_threads, materialize, resolve_device, resolve_dtype
-from llmserve.model_executor.execution_plan import ExecutionPlan
+from llmserve.model_executor.execution_plan import (
+    ArgmaxKernel,
+    DecodeAttentionKernel,
+    ExecutionPlan,
+    PrefillAttentionKernel,
+)
 from llmserve.model_executor.host_memory import empty_pool, populate, populate_in_background
 from llmserve.model_executor.input_buffers import InputBuffers
 from llmserve.model_executor.kernels import native
@@ -95,12 +100,12 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self.requests: dict[str, CachedRequestState] = {}  # every request the scheduler runs, by id
         self.logits_cache: CompiledCache = weakref.WeakKeyDictionary()  # an entry dies with its request
-        self._argmax: Argmax = native.argmax_rows if self.plan.argmax == "argmax.c" else torch_argmax
+        self._argmax: Argmax = native.argmax_rows if self.plan.argmax is ArgmaxKernel.C else torch_argmax
 
     @property
     def native(self) -> bool:
         """Decode attention reads the cache in C, which also takes a cache never cleared."""
-        return self.plan.decode_attention == "paged_attention.c"
+        return self.plan.decode_attention is DecodeAttentionKernel.C
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         c = self.config
@@ -326,7 +331,7 @@ class ModelRunner:
             decode_max_len=max((s.num_computed_tokens + s.num_new_tokens for s in decodes), default=0),
             prefills=prefills,
             native_decode=self.native,
-            native_prefill=self.plan.prefill_attention == "prefill_attention.c",
+            native_prefill=self.plan.prefill_attention is PrefillAttentionKernel.C,
         )
         token_ids, positions = buffers.token_ids[:at].to(self.device), buffers.positions[:at].to(self.device)
         return token_ids, positions, meta, sample_rows

@@ -7,7 +7,15 @@ import torch
 
 from llmserve.config import ModelConfig
 from llmserve.model_executor import execution_plan
-from llmserve.model_executor.execution_plan import ExecutionPlan, StoredProduct
+from llmserve.model_executor.execution_plan import (
+    ArgmaxKernel,
+    DecodeAttentionKernel,
+    DenseProduct,
+    ExecutionPlan,
+    GatedActivationKernel,
+    PrefillAttentionKernel,
+    StoredProduct,
+)
 from llmserve.model_executor.kernels import native
 from llmserve.model_executor.models.registry import model_class, supported_architectures
 
@@ -27,7 +35,7 @@ def plan(
 def test_cpu_fp32_with_the_library_keeps_stored_weights_and_runs_our_kernels() -> None:
     p = plan()
     assert native.load_library() is not None
-    assert p.stored_weights and p.decode_attention == "paged_attention.c" and p.fused_decode
+    assert p.stored_weights and p.decode_attention is DecodeAttentionKernel.C and p.fused_decode
     assert p.reasons == ()
 
 
@@ -56,43 +64,52 @@ def test_int8_activations_at_large_batches_take_int8_gemm_only_with_vnni() -> No
 def test_without_our_kernels_weights_are_dense_through_onednn_and_torch_attention() -> None:
     p = plan(native_kernels=False)
     assert not p.stored_weights and not p.fused_decode
-    assert p.decode_attention == "torch" and p.dense_product() == "onednn"
+    assert p.decode_attention is DecodeAttentionKernel.TORCH and p.dense_product() is DenseProduct.ONEDNN
     assert any("native_kernels=False" in reason for reason in p.reasons)
 
 
 def test_bf16_compute_takes_pytorch_but_for_the_attention(monkeypatch: pytest.MonkeyPatch) -> None:
     p = plan(dtype=torch.bfloat16)
     assert not p.stored_weights and not p.fused_decode
-    assert p.decode_attention == "paged_attention.c" and p.gated_activation == "torch"
-    assert p.prefill_attention == "prefill_attention.c"
+    assert p.decode_attention is DecodeAttentionKernel.C and p.gated_activation is GatedActivationKernel.TORCH
+    assert p.prefill_attention is PrefillAttentionKernel.C
     assert any("bfloat16" in reason for reason in p.reasons)
     half = plan(dtype=torch.float16)
-    assert half.decode_attention == "torch" and half.prefill_attention == "torch SDPA"
+    assert (
+        half.decode_attention is DecodeAttentionKernel.TORCH
+        and half.prefill_attention is PrefillAttentionKernel.TORCH_SDPA
+    )
     monkeypatch.setattr(execution_plan, "cpu_has_bf16_products", lambda: True)
-    assert p.dense_product() == "onednn" and plan(dtype=torch.float16).dense_product() == "torch"
+    assert (
+        p.dense_product() is DenseProduct.ONEDNN
+        and plan(dtype=torch.float16).dense_product() is DenseProduct.TORCH
+    )
     monkeypatch.setattr(execution_plan, "cpu_has_bf16_products", lambda: False)
-    assert p.dense_product() == "torch"
+    assert p.dense_product() is DenseProduct.TORCH
 
 
 def test_sampling_argmax_takes_the_c_kernel_on_the_cpu_with_the_library() -> None:
-    assert plan().argmax == "argmax.c" and plan(dtype=torch.bfloat16).argmax == "argmax.c"
-    assert plan(native_kernels=False).argmax == "torch"
-    assert plan(device=torch.device("cuda"), dtype=torch.bfloat16).argmax == "torch"
+    assert plan().argmax is ArgmaxKernel.C and plan(dtype=torch.bfloat16).argmax is ArgmaxKernel.C
+    assert plan(native_kernels=False).argmax is ArgmaxKernel.TORCH
+    assert plan(device=torch.device("cuda"), dtype=torch.bfloat16).argmax is ArgmaxKernel.TORCH
 
 
 def test_the_mlp_activation_takes_the_decode_steps_c_code_wherever_decodes_read_the_cache_in_c() -> None:
-    assert plan().gated_activation == "gated_activation.c" == plan("gguf").gated_activation
-    assert plan(dtype=torch.bfloat16).gated_activation == "torch"
-    assert plan(native_kernels=False).gated_activation == "torch"
-    assert plan(device=torch.device("cuda"), dtype=torch.bfloat16).gated_activation == "torch"
+    assert plan().gated_activation is GatedActivationKernel.C is plan("gguf").gated_activation
+    assert plan(dtype=torch.bfloat16).gated_activation is GatedActivationKernel.TORCH
+    assert plan(native_kernels=False).gated_activation is GatedActivationKernel.TORCH
+    assert (
+        plan(device=torch.device("cuda"), dtype=torch.bfloat16).gated_activation
+        is GatedActivationKernel.TORCH
+    )
     encoder = ExecutionPlan.decide(ModelConfig(), CPU, FP32, "BertModel", encoder=True)
-    assert encoder.gated_activation == "torch"
+    assert encoder.gated_activation is GatedActivationKernel.TORCH
 
 
 def test_a_gpu_holds_dense_weights_for_pytorch_everywhere() -> None:
     p = plan(device=torch.device("cuda"), dtype=torch.bfloat16)
-    assert not p.stored_weights and not p.fused_decode and p.decode_attention == "torch"
-    assert p.dense_product() == "torch"
+    assert not p.stored_weights and not p.fused_decode and p.decode_attention is DecodeAttentionKernel.TORCH
+    assert p.dense_product() is DenseProduct.TORCH
     assert any("device cuda" in reason for reason in p.reasons)
 
 
@@ -100,7 +117,7 @@ def test_a_library_that_did_not_build_leaves_pytorch_and_says_why(monkeypatch: p
     monkeypatch.setattr(native, "load_library", lambda isa=None: None)
     p = plan()
     assert not p.stored_weights and not p.fused_decode
-    assert p.decode_attention == "torch" and p.argmax == "torch"
+    assert p.decode_attention is DecodeAttentionKernel.TORCH and p.argmax is ArgmaxKernel.TORCH
     assert any("unavailable" in reason for reason in p.reasons)
 
 
@@ -108,7 +125,7 @@ def test_an_encoder_holds_dense_weights_through_onednn_and_never_decodes() -> No
     config = ModelConfig()
     p = ExecutionPlan.decide(config, CPU, FP32, "BertModel", encoder=True)
     assert p.encoder and not p.stored_weights and not p.fused_decode
-    assert p.decode_attention == "torch" and p.dense_product() == "onednn"
+    assert p.decode_attention is DecodeAttentionKernel.TORCH and p.dense_product() is DenseProduct.ONEDNN
     assert "no KV cache" in " ".join(p.describe())
     with pytest.raises(ValueError, match="BertModel is an encoder"):
         ExecutionPlan.decide(ModelConfig(quantization="gguf"), CPU, FP32, "BertModel", encoder=True)
@@ -116,7 +133,7 @@ def test_an_encoder_holds_dense_weights_through_onednn_and_never_decodes() -> No
 
 def test_a_model_whose_layers_misfit_decoder_step_decodes_op_by_op_and_says_why() -> None:
     p = plan().without_fused_decode("decoder_step.c rotates whole heads; X rotates part of each")
-    assert p.stored_weights and p.decode_attention == "paged_attention.c" and not p.fused_decode
+    assert p.stored_weights and p.decode_attention is DecodeAttentionKernel.C and not p.fused_decode
     assert p.reasons[-1].endswith("rotates part of each: decodes run op by op")
     assert "  decode-only steps: op by op" in p.describe()
 

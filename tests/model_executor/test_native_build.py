@@ -1,6 +1,7 @@
 """The C kernels fail loudly: a failed build is an error where LLMSERVE_REQUIRE_NATIVE=1 asks for one (as
-CI does), warnings are errors in the tests, the ctypes structs match the C layout, what the wrappers pass
-is checked with ValueError, and the kernel tests run clean under AddressSanitizer and UBSan."""
+CI does), warnings are errors in the tests, the ctypes structs match the C layout and the ctypes
+declarations the C prototypes, what the wrappers pass is checked with ValueError, and the kernel tests
+run clean under AddressSanitizer and UBSan."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmserve.model_executor.kernels import build, native, structs
+from llmserve.model_executor.kernels import build, native, signatures, structs
 
 FAKE_CC = """#!/bin/sh
 # Records its arguments; fails with a message, or writes an empty library where -o says.
@@ -96,6 +97,28 @@ def test_a_constant_that_drifted_from_c_is_caught(native_library: ctypes.CDLL) -
     assert structs.layout_mismatches(native_library, (), drifted) == [
         "MLP_GATED: Python 1, C 0",
         "MLP_SPARSE: Python 2, C -1",
+    ]
+
+
+def test_the_ctypes_declarations_match_the_c_prototypes(native_library: ctypes.CDLL) -> None:
+    assert signatures.signature_mismatches(native_library) == []
+    assert native_library.decoder_step.argtypes == signatures.SIGNATURES["decoder_step"][1]
+
+
+def test_a_declaration_that_drifted_from_c_is_caught(native_library: ctypes.CDLL) -> None:
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    drifted: dict[str, signatures.Signature] = {
+        **signatures.SIGNATURES,
+        "weight_gemm": (i32, [ptr, i64, i32, ptr, ptr, i32]),  # k narrowed, the Weight passed as void *
+        "argmax_rows": (i32, [ptr, i64, i64, ptr, i32]),  # a return value C does not give
+        "top_k": (None, [ptr, i64]),
+    }
+    del drifted["row_bytes"]
+    assert signatures.signature_mismatches(native_library, drifted) == [
+        "weight_gemm: Python i32(p, i64, i32, p, p, i32), C i32(p, i64, i64, Weight*, p, i32)",
+        "argmax_rows: Python i32(p, i64, i64, p, i32), C void(p, i64, i64, p, i32)",
+        "top_k: Python void(p, i64), C none",
+        "row_bytes: Python none, C i64(i32, i64)",
     ]
 
 

@@ -44,7 +44,7 @@ static int64_t finish(const float *values, const int32_t *indices, int lanes, co
 }
 #endif
 
-#if defined(__AVX512F__)
+#ifdef USE_AVX512
 #define LANES 16
 /* The row's argmax, or -1 if it holds a NaN (argmax_scalar then finds the first); n >= LANES. */
 static int64_t argmax_vector(const float *x, int64_t n)

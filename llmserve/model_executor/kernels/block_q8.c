@@ -105,14 +105,14 @@ INLINE __m256i chunk_dot(int qtype, __m256i v, const int8_t *q)
         x = _mm256_sign_epi8(x, v);
         v = _mm256_sign_epi8(v, v);
     }
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#ifdef USE_AVX512_VNNI
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), v, x);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(v, x), _mm256_set1_epi16(1));
 #endif
 }
 
-#if defined(__AVX512BW__) && defined(__AVX512DQ__)
+#ifdef USE_AVX512
 /* Chunks i and i + 1 (i even) of the group of 8 that starts at `group` (a K type's super-block) as one
  * vector: i in the low half. With VNNI, Q6_K's come unsigned (0-63; pair_dot takes the centre off). */
 INLINE __m512i pair_values(int qtype, const uint8_t *group, int i)
@@ -150,7 +150,7 @@ INLINE __m512i pair_values(int qtype, const uint8_t *group, int i)
         const __m512i top = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * t))),
                                                _mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * t + 2)), 1);
         const __m512i v = _mm512_or_si512(nibble, _mm512_slli_epi16(_mm512_and_si512(top, _mm512_set1_epi8(3)), 4));
-#ifdef __AVX512VNNI__
+#ifdef USE_AVX512_VNNI
         return v; /* pair_dot takes the centre off */
 #else
         return _mm512_sub_epi8(v, _mm512_set1_epi8(32));
@@ -172,7 +172,7 @@ INLINE __m512i pair_values(int qtype, const uint8_t *group, int i)
 INLINE __m512i pair_dot(int qtype, __m512i v, const int8_t *q)
 {
     __m512i x = _mm512_loadu_si512((const void *)q);
-#ifdef __AVX512VNNI__
+#ifdef USE_AVX512_VNNI
     if (qtype == Q6_K) { /* v unsigned, 0-63: its centre 32 comes off as 32 times x's sums, in integers */
         const __m512i centre = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(32), x);
         return _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v, x), centre);
@@ -182,7 +182,7 @@ INLINE __m512i pair_dot(int qtype, __m512i v, const int8_t *q)
         x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(v), _mm512_setzero_si512(), x);
         v = _mm512_abs_epi8(v);
     }
-#ifdef __AVX512VNNI__
+#ifdef USE_AVX512_VNNI
     return _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, x);
 #else
     return _mm512_madd_epi16(_mm512_maddubs_epi16(v, x), _mm512_set1_epi16(1));
@@ -195,7 +195,7 @@ INLINE __m256 load_first(const float *p, int n)
 {
     if (n == 8)
         return _mm256_loadu_ps(p);
-#if defined(__AVX512F__) && defined(__AVX512VL__)
+#ifdef USE_AVX512
     return _mm256_maskz_loadu_ps((__mmask8)((1u << n) - 1), p);
 #else
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -269,7 +269,7 @@ INLINE void dot_group(const BlockInput *in, const uint8_t *row, int qtype, int R
     const int64_t chunks = in->in / QK;
     const int8_t *q = in->q + r0 * in->in;
     const float *x_scales = in->scales + r0 * chunks, *x_sums = in->sums + r0 * chunks;
-#if defined(__AVX512BW__) && defined(__AVX512DQ__)
+#ifdef USE_AVX512
 #define WIDE 1
     __m512 vacc[GROUP_ROWS][4];
 #else
@@ -458,17 +458,18 @@ int64_t share_rows(const Weight *w, int64_t in, int64_t per_output, int64_t out,
 }
 
 /* x: [rows, in] fp32 (rows <= BLOCK_GEMV_MAX_ROWS), rounded here; W: [out, in] in GGUF blocks; y [rows,
- * out] = x @ W.T + bias. Returns 0, -1 for a type or shape it cannot take, -2 when out of memory. */
+ * out] = x @ W.T + bias. Returns KERNEL_OK, KERNEL_UNSUPPORTED for a type or shape it cannot take, or
+ * KERNEL_NO_MEMORY. */
 int block_gemv(const float *x, int64_t rows, int64_t in, const Weight *w, int64_t out, float *y, int num_threads)
 {
     if (rows < 1 || rows > BLOCK_GEMV_MAX_ROWS || in % QK != 0 || !reads_blocks(w, in))
-        return -1;
+        return KERNEL_UNSUPPORTED;
     const int64_t nblocks = rows * in / QK;
     float *scales = malloc(sizeof(float) * nblocks * 2);
     int8_t *q = malloc((size_t)(rows * in));
     BlockInput input = {.x = x, .rows = rows, .in = in};
-    const int status = scales == NULL || q == NULL ? -2 : 0;
-    if (status == 0) {
+    const int status = scales == NULL || q == NULL ? KERNEL_NO_MEMORY : KERNEL_OK;
+    if (status == KERNEL_OK) {
         prepare_input(&input, q, scales, scales + nblocks);
         const int64_t chunk = share_rows(w, in, 1, out, num_threads);
 #pragma omp parallel for schedule(guided, chunk) num_threads(num_threads)

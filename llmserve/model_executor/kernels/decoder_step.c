@@ -297,24 +297,24 @@ static int mlp_fits(const DecoderSpec *s, const LayerSpec *layer, int int8_input
 /* x: [rows, hidden], the embedded tokens (or the residual stream after the layers before these), used as
  * the residual stream (overwritten); out: [rows, hidden] after the final norm, or the residual stream
  * where the spec has none. positions, slots, seq_lens: [rows]; block_tables: [rows, max_blocks].
- * Returns 0, -1 for a shape it cannot take, -2 when out of memory, -3 for a position, slot, length or
- * block id out of bounds. */
+ * Returns KERNEL_OK, KERNEL_UNSUPPORTED for a shape it cannot take, KERNEL_NO_MEMORY, or
+ * KERNEL_OUT_OF_BOUNDS for a position, slot, length or block id out of bounds. */
 int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const int64_t *slots,
                  const int64_t *block_tables, const int64_t *seq_lens, int64_t rows, int64_t max_blocks,
                  float *out, int num_threads)
 {
     const int read_blocks = s->int8_activations && rows <= s->block_rows;
     if (rows < 1 || (read_blocks && rows > BLOCK_GEMV_MAX_ROWS) || (s->int8_activations && s->hidden % QK))
-        return -1;
+        return KERNEL_UNSUPPORTED;
     for (int64_t l = 0; l < s->num_layers; l++)
         if (!mlp_fits(s, &s->layers[l], (int)s->int8_activations))
-            return -1;
+            return KERNEL_UNSUPPORTED;
     if (!tables_in_bounds(block_tables, seq_lens, rows, max_blocks, s->num_blocks, s->block_size))
-        return -3;
+        return KERNEL_OUT_OF_BOUNDS;
     for (int64_t r = 0; r < rows; r++)
         if (positions[r] < 0 || positions[r] >= s->rope_positions || slots[r] < 0 ||
             slots[r] >= s->num_blocks * s->block_size)
-            return -3;
+            return KERNEL_OUT_OF_BOUNDS;
     const int64_t q_size = s->num_heads * s->head_dim, group = s->num_heads / s->num_kv_heads;
     const int64_t wide = max64(q_size + 2 * s->num_kv_heads * s->head_dim, s->intermediate);
     const int64_t narrow = max64(s->hidden, q_size);
@@ -369,5 +369,5 @@ int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const
     free(t.rounded);
     free(t.gemm_scales);
     free(t.scratch);
-    return ready ? 0 : -2;
+    return ready ? KERNEL_OK : KERNEL_NO_MEMORY;
 }

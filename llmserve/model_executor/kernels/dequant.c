@@ -13,13 +13,10 @@
  * enabled, not what the file is called, so the tests can check that a forced build is the one loaded. */
 const char *kernels_isa(void)
 {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512CD__) && defined(__AVX512DQ__) && \
-    defined(__AVX512VL__)
-#ifdef __AVX512VNNI__
+#if defined(USE_AVX512_VNNI)
     return "avx512_vnni";
-#else
+#elif defined(USE_AVX512)
     return "avx512";
-#endif
 #elif defined(USE_AVX2)
     return "avx2";
 #else
@@ -68,18 +65,19 @@ void dequantize_row(int qtype, const uint8_t *src, int64_t k, float *dst)
 }
 
 /* out[i] = row ids[i] of W [rows, k] (stored as qtype) in fp32: an embedding lookup, or a whole weight
- * dequantized. Returns 0, -1 for a type or width we do not read, or -2 for an id outside [0, rows). */
+ * dequantized. Returns KERNEL_OK, KERNEL_UNSUPPORTED for a type or width we do not read, or
+ * KERNEL_OUT_OF_BOUNDS for an id outside [0, rows). */
 int dequantize_rows(const uint8_t *w, int qtype, int64_t k, int64_t rows, const int64_t *ids, int64_t n,
                     float *out, int num_threads)
 {
     const int64_t bytes = row_bytes(qtype, k);
     if (bytes == 0)
-        return -1;
+        return KERNEL_UNSUPPORTED;
     for (int64_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= rows)
-            return -2;
+            return KERNEL_OUT_OF_BOUNDS;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t i = 0; i < n; i++)
         dequantize_row(qtype, w + ids[i] * bytes, k, out + i * k);
-    return 0;
+    return KERNEL_OK;
 }

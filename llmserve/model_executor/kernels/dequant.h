@@ -33,9 +33,6 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 
-/* Inlined into each caller, so that each type's code is compiled for its constant type. */
-#define INLINE static inline __attribute__((always_inline))
-
 INLINE u8x16 load16(const uint8_t *p)
 {
     u8x16 v;
@@ -82,7 +79,7 @@ INLINE void scale8(const uint8_t v[8], float d, float out[8])
 INLINE __m128i add_fifth_bits(__m128i q, uint32_t qh, int half)
 {
     const uint32_t bits = qh >> (16 * half);
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#ifdef USE_AVX512
     return _mm_mask_add_epi8(q, (__mmask16)bits, q, _mm_set1_epi8(16));
 #else
     /* byte i takes byte i / 8 of the bits, keeps bit i % 8, and becomes 16 if it was set */
@@ -98,7 +95,7 @@ INLINE __m128i add_fifth_bits(__m128i q, uint32_t qh, int half)
  * vector in memory on AVX2, and built d's broadcast there one float at a time, stalling every load. */
 INLINE f32x16 scaled16(__m128i v, int is_signed, float d, float m, int add_m)
 {
-#if defined(__AVX512F__)
+#ifdef USE_AVX512
     __m512 f = _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
     f = _mm512_mul_ps(_mm512_set1_ps(d), f);
     return (f32x16)(add_m ? _mm512_add_ps(f, _mm512_set1_ps(m)) : f);
@@ -117,7 +114,7 @@ INLINE f32x16 scaled16(__m128i v, int is_signed, float d, float m, int add_m)
 }
 #endif
 
-#if defined(__AVX512F__)
+#ifdef USE_AVX512
 /* On AVX-512 a 4-bit weight (Q4_0, Q4_1, Q4_K) is read through a table: the 16 values its nibble can
  * stand for, computed in one register by the operations that compute one weight in the other builds,
  * then one permute per 16 weights by their nibbles (vpermps reads the low 4 bits of each lane only), in
@@ -150,7 +147,7 @@ INLINE void legacy32(const uint8_t *block, int with_min, int with_high, f32x16 w
     uint32_t qh = 0;
     if (with_high)
         memcpy(&qh, block + 2 + 2 * with_min, 4);
-#if defined(__AVX512F__)
+#ifdef USE_AVX512
     {
         /* with fifth bits, a second table for the values 16..31, looked up where the bit is set */
         const int centre = with_min ? 0 : offset;
@@ -248,7 +245,7 @@ INLINE void k_scales(int qtype, const uint8_t *block, KScales *out)
 INLINE void k32(const uint8_t *block, int i, int with_high, const KScales *k, f32x16 w[2])
 {
     const uint8_t *qh = block + 16, *qs = block + 16 + 32 * with_high;
-#if defined(__AVX512F__)
+#ifdef USE_AVX512
     if (!with_high) {
         const __m512 dq = _mm512_mul_ps(_mm512_set1_ps(k->d[i]), nibble_lanes(0));
         const __m512 table = _mm512_sub_ps(dq, _mm512_set1_ps(k->m[i])); /* gguf's d * q - m */

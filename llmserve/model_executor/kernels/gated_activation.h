@@ -14,7 +14,7 @@
  * (ACTIVATION_GELU_TANH) with z = 2 sqrt(2 / pi) (x + 0.044715 x^3), since 0.5 (1 + tanh(u)) = 1 / (1 + e^-2u). The same function as
  * PyTorch's, rounded otherwise (a vector e^x, not libm's tanhf and expf one value at a time). Below
  * z = -88, where e^-z would pass its clamp, it is x * 0 as PyTorch's is (-0.0; NaN at -inf). */
-#ifdef __AVX512F__
+#ifdef USE_AVX512
 static inline __m512 act16(__m512 x, int64_t activation)
 {
     __m512 z = x;
@@ -46,7 +46,7 @@ static inline __m256 act8(__m256 x, int64_t activation)
 /* act(g) * u for ACT_LANES values at g and u into h. */
 static inline void act_vector(const float *g, const float *u, int64_t activation, float *h)
 {
-#ifdef __AVX512F__
+#ifdef USE_AVX512
     _mm512_storeu_ps(h, _mm512_mul_ps(act16(_mm512_loadu_ps(g), activation), _mm512_loadu_ps(u)));
 #else
     _mm256_storeu_ps(h, _mm256_mul_ps(act8(_mm256_loadu_ps(g), activation), _mm256_loadu_ps(u)));

@@ -22,8 +22,7 @@
 
 #include "block_chunks.h"
 
-#if defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define VNNI_BUILD 1
+#ifdef USE_AVX512 /* the VNNI instructions by target attribute, where the CPU has them */
 #define NP 32             /* output rows per panel: two vectors of 16 (int8_scratch_bytes) */
 #define MR INT8_GEMM_ROWS /* rows of x per pass over the panel */
 
@@ -221,7 +220,7 @@ __attribute__((target("avx512vnni"))) INLINE void panel_product(const Panel *p, 
 
 int int8_gemm_available(void)
 {
-#ifdef VNNI_BUILD
+#ifdef USE_AVX512
     return __builtin_cpu_supports("avx512vnni");
 #else
     return 0;
@@ -242,12 +241,12 @@ void int8_rows(const float *x, int64_t rows, int64_t in, uint8_t *codes, float *
         codes[i] ^= 0x80; /* q + 128 */
 }
 
-#ifdef VNNI_BUILD
+#ifdef USE_AVX512
 __attribute__((target("avx512vnni"))) /* called where int8_gemm_available() */
 #endif
 void int8_gemm_share(const Int8Rows *x, const Weight *w, int64_t out, float *y, int accumulate, uint8_t *scratch)
 {
-#ifdef VNNI_BUILD
+#ifdef USE_AVX512
     const int64_t in = x->in, units16 = in / 16; /* the most units a panel has */
     float *scales = (float *)(scratch + 2 * in * NP);
     int32_t *corrections = (int32_t *)(scales + units16 * NP);
@@ -281,19 +280,19 @@ void int8_gemm_share(const Int8Rows *x, const Weight *w, int64_t out, float *y, 
 #endif
 }
 
-/* x: [rows, in] fp32, rounded here; W: [out, in] in GGUF blocks; y: [rows, out]. Returns 0, -1 where
- * this CPU or this weight has no such product, -2 when out of memory. */
+/* x: [rows, in] fp32, rounded here; W: [out, in] in GGUF blocks; y: [rows, out]. Returns KERNEL_OK,
+ * KERNEL_UNSUPPORTED where this CPU or this weight has no such product, or KERNEL_NO_MEMORY. */
 int int8_gemm(const float *x, int64_t rows, int64_t in, const Weight *w, int64_t out, float *y, int num_threads)
 {
     if (!int8_gemm_available() || rows < 1 || in % QK != 0 || !reads_blocks(w, in))
-        return -1;
+        return KERNEL_UNSUPPORTED;
     const int64_t padded = (rows + INT8_GEMM_ROWS - 1) / INT8_GEMM_ROWS * INT8_GEMM_ROWS;
     uint8_t *codes = calloc((size_t)(padded * in), 1);
     float *scales = calloc((size_t)(padded * in / QK), sizeof(float));
     float *sums = calloc((size_t)(padded * in / QK), sizeof(float));
     uint8_t *scratch = aligned_alloc(64, (size_t)(num_threads * int8_scratch_bytes(in)));
-    const int status = codes && scales && sums && scratch ? 0 : -2;
-    if (status == 0) {
+    const int status = codes && scales && sums && scratch ? KERNEL_OK : KERNEL_NO_MEMORY;
+    if (status == KERNEL_OK) {
         const Int8Rows rounded = {codes, scales, sums, rows, in};
 #pragma omp parallel num_threads(num_threads)
         {

@@ -2,19 +2,15 @@
  * few rows with int8 activations (block_q8.c) and one (sequence, KV head) of decode attention
  * (paged_attention.c), which decoder_step.c strings together.
  *
- * The library is compiled once per instruction set (see native.py): code under USE_AVX2 runs on the
- * AVX2 and AVX-512 builds, the portable C beside it everywhere, and weight_gemm.c's vectors take the
- * width of the build. */
+ * The library is compiled once per instruction set (see native.py); vec.h says which a build has. */
 #ifndef LLMSERVE_KERNELS_H
 #define LLMSERVE_KERNELS_H
 
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define USE_AVX2 1
-#endif
+
+#include "vec.h"
 
 #define QK 32 /* weights per block of the legacy GGUF types */
 #define QK_K 256 /* weights per super-block of the K types */
@@ -24,6 +20,10 @@
  * gate's activation (LayerSpec.activation; gated_activation.h). */
 enum { MLP_GATED = 0 };
 enum { ACTIVATION_SILU = 0, ACTIVATION_GELU_TANH = 1 };
+
+/* What the functions native.py calls return: KERNEL_OK, or why they did nothing useful (native.py raises
+ * on each by name; structs.py's KernelStatus). */
+enum { KERNEL_OK = 0, KERNEL_UNSUPPORTED = -1, KERNEL_NO_MEMORY = -2, KERNEL_OUT_OF_BOUNDS = -3 };
 
 /* GGML type ids of the stored weights we read. */
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
@@ -52,16 +52,6 @@ static inline float bf16_to_float(uint16_t h)
     memcpy(&x, &bits, sizeof x);
     return x;
 }
-
-#ifdef USE_AVX2
-static inline float hsum(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_hadd_ps(s, s);
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(s);
-}
-#endif
 
 /* Weights of one stored block: 1 of a float type, 32 of a legacy GGUF type, 256 of a K type. */
 static inline int64_t block_weights(int qtype)
@@ -219,5 +209,7 @@ typedef struct {
  * blocks its length covers in [0, num_blocks): what attend_one reads. */
 int tables_in_bounds(const int64_t *block_tables, const int64_t *seq_lens, int64_t rows, int64_t max_blocks,
                      int64_t num_blocks, int64_t block_size);
+
+#include "exports.h"
 
 #endif

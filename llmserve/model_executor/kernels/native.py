@@ -7,7 +7,8 @@ start-up and logged; `LLMSERVE_CPU_ISA=avx512` (or `avx2`, `generic`) forces a l
 the tests cover every variant on one machine. Without a compiler the callers keep the PyTorch path, with
 a warning; with `LLMSERVE_REQUIRE_NATIVE=1` (as CI sets) a build or load failure is an error carrying
 the compiler's output instead. build.py compiles; structs.py holds the ctypes structs, checked against
-the C layout at load. The wrappers check what they pass (dtypes, contiguity, shapes) and the kernels the
+the C layout at load, and signatures.py each function's ctypes declaration, checked against its C
+prototype at load. The wrappers check what they pass (dtypes, contiguity, shapes) and the kernels the
 block tables' bounds, raising ValueError: a wrong tensor would otherwise be read as raw memory.
 
 - `dequant.c`: rows of a weight in its stored format (GGUF blocks, fp16, bf16) widened to fp32.
@@ -31,11 +32,14 @@ import platform
 import torch
 
 from llmserve.model_executor.kernels.build import BuildError, build, cache_dir
+from llmserve.model_executor.kernels.signatures import declare, signature_mismatches
 from llmserve.model_executor.kernels.structs import (
     ACTIVATIONS,
     BLOCK_GEMV_MAX_ROWS,
     MAX_WEIGHT_PARTS,
+    QK,
     DecoderSpec,
+    KernelStatus,
     LayerSpec,
     Weight,
     WeightPart,
@@ -54,9 +58,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_I64 = ctypes.c_int64
-_PTR = ctypes.c_void_p
 
 # Instruction set → (the CPU flags it needs, its compiler flags), best first. x86-64-v4 is AVX-512
 # F/BW/CD/DQ/VL; `avx512_vnni` adds the int8 multiply-add that block_q8.c's products take in one
@@ -114,34 +115,11 @@ def _load(isa: str) -> ctypes.CDLL | None:
     mismatches = layout_mismatches(library)
     if mismatches:  # a bug in this package, not the machine: never a silent fallback
         raise RuntimeError(f"The ctypes structs or constants differ from C's: {'; '.join(mismatches)}.")
+    mismatches = signature_mismatches(library)
+    if mismatches:
+        raise RuntimeError(f"The ctypes declarations differ from C's prototypes: {'; '.join(mismatches)}.")
+    declare(library)
     logger.info("Native kernels: %s build.", isa)
-    library.kernels_isa.restype = ctypes.c_char_p
-    library.paged_decode_attention.argtypes = [_PTR] * 6 + [_I64] * 9 + [ctypes.c_float, ctypes.c_int]
-    library.paged_decode_attention.restype = ctypes.c_int
-    library.prefill_attention.argtypes = (
-        [_PTR] * 4 + [_I64] * 3 + [_PTR] + [_I64] * 7 + [ctypes.c_float, ctypes.c_int]
-    )
-    library.prefill_attention.restype = ctypes.c_int
-    library.block_gemv.argtypes = [_PTR, _I64, _I64, ctypes.POINTER(Weight), _I64, _PTR, ctypes.c_int]
-    library.block_gemv.restype = ctypes.c_int
-    library.int8_gemm.argtypes = [_PTR, _I64, _I64, ctypes.POINTER(Weight), _I64, _PTR, ctypes.c_int]
-    library.int8_gemm.restype = ctypes.c_int
-    library.int8_gemm_available.restype = ctypes.c_int
-    library.round_rows.argtypes = [_PTR, _I64, _I64, _PTR]
-    library.is_block_type.argtypes = [ctypes.c_int]
-    library.row_bytes.argtypes = [ctypes.c_int, _I64]
-    library.row_bytes.restype = _I64
-    library.dequantize_rows.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _I64, _PTR, ctypes.c_int]
-    library.dequantize_rows.restype = ctypes.c_int
-    library.weight_gemm.argtypes = [_PTR, _I64, _I64, ctypes.POINTER(Weight), _PTR, ctypes.c_int]
-    library.weight_gemm.restype = ctypes.c_int
-    spec, i64, ptr = ctypes.POINTER(DecoderSpec), _I64, _PTR
-    library.decoder_step.argtypes = [spec, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int]
-    library.decoder_step.restype = ctypes.c_int
-    library.argmax_rows.argtypes = [_PTR, _I64, _I64, _PTR, ctypes.c_int]
-    library.argmax_rows.restype = None
-    library.gated_activation.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int]
-    library.gated_activation.restype = None
     return library
 
 
@@ -252,9 +230,9 @@ def paged_decode_attention(
         scale,
         torch.get_num_threads(),
     )
-    if status == -2:
+    if status == KernelStatus.OUT_OF_BOUNDS:
         raise ValueError(f"paged_decode_attention: a length or block id out of bounds ({num_blocks} blocks).")
-    if status != 0:
+    if status != KernelStatus.OK:
         raise MemoryError("paged_decode_attention could not allocate its score buffer.")
     return out.to(q_dtype)
 
@@ -300,14 +278,14 @@ def prefill_attention(
         scale,
         torch.get_num_threads(),
     )
-    if status == -1:
+    if status == KernelStatus.UNSUPPORTED:
         return None
-    if status == -2:
+    if status == KernelStatus.OUT_OF_BOUNDS:
         raise ValueError(
             f"prefill_attention: the table ({block_table.shape[0]} blocks) does not cover positions up to"
             f" {context_len + q_len - 1}, or holds an id outside [0, {num_blocks})."
         )
-    if status != 0:
+    if status != KernelStatus.OK:
         raise MemoryError("prefill_attention could not allocate its buffers.")
     return out.to(q_dtype)
 
@@ -346,7 +324,7 @@ def block_gemv(
     """x [rows <= 16, in] fp32, rounded to int8 per block of 32, @ W.T (+ bias), W [out_features, in] in
     GGUF blocks (block_q8.c: what decode steps with int8 activations compute); into `out` where given."""
     status, y = _int8_product("block_gemv", x, weight, out_features, out)
-    if status != 0:
+    if status != KernelStatus.OK:
         types = sorted({weight.parts[i].qtype for i in range(weight.num_parts)})
         raise ValueError(
             f"block_gemv cannot take x {tuple(x.shape)} with block types {types} (status {status})."
@@ -366,9 +344,9 @@ def int8_gemm(
     GGUF blocks, for many rows (int8_gemm.c), into `out` where given; None where this CPU (see
     int8_gemm_available) or W has no such product."""
     status, y = _int8_product("int8_gemm", x, weight, out_features, out)
-    if status == -2:
+    if status == KernelStatus.NO_MEMORY:
         raise MemoryError("int8_gemm could not allocate its buffers.")
-    return y if status == 0 else None
+    return y if status == KernelStatus.OK else None
 
 
 def _int8_product(
@@ -407,8 +385,8 @@ def round_rows(x: torch.Tensor) -> torch.Tensor:
     library = _library()
     x = x.contiguous()
     _check("x", x, torch.float32, 2)
-    if x.shape[-1] % 32:
-        raise ValueError(f"round_rows needs rows of 32k values, got {x.shape[-1]}.")
+    if x.shape[-1] % QK:
+        raise ValueError(f"round_rows needs rows of {QK}k values, got {x.shape[-1]}.")
     out = torch.empty_like(x)
     library.round_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
     return out
@@ -445,9 +423,9 @@ def dequantize_rows(data: torch.Tensor, qtype: int, in_features: int, ids: torch
         out.data_ptr(),
         torch.get_num_threads(),
     )
-    if status == -2:
+    if status == KernelStatus.OUT_OF_BOUNDS:
         raise ValueError(f"dequantize_rows: an id outside [0, {data.shape[0]}).")
-    if status != 0:
+    if status != KernelStatus.OK:
         raise ValueError(f"dequantize_rows cannot read type {qtype} at width {in_features}.")
     return out
 
@@ -464,7 +442,7 @@ def weight_gemm(
     status = library.weight_gemm(
         x.data_ptr(), x.shape[0], x.shape[1], ctypes.byref(weight), y.data_ptr(), torch.get_num_threads()
     )
-    if status != 0:
+    if status != KernelStatus.OK:
         raise ValueError(f"weight_gemm cannot take x {tuple(x.shape)} with this weight's types.")
     return y
 
@@ -497,10 +475,10 @@ def decoder_step(
         out.data_ptr(),
         torch.get_num_threads(),
     )
-    if status == -3:
+    if status == KernelStatus.OUT_OF_BOUNDS:
         raise ValueError(
             f"decoder_step: a position, slot, length or block id out of bounds ({spec.num_blocks} blocks)."
         )
-    if status != 0:
+    if status != KernelStatus.OK:
         raise ValueError(f"decoder_step cannot take {x.shape[0]} rows of this model (status {status}).")
     return out

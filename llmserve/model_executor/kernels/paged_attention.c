@@ -237,8 +237,8 @@ int tables_in_bounds(const int64_t *block_tables, const int64_t *seq_lens, int64
 /* q, out: [batch, heads, head_dim] fp32; caches: [kv_heads, num_blocks, block_size, head_dim], fp32 or with
  * `cache_bf16` bf16;
  * block_tables: [batch, max_blocks]; seq_lens: [batch], each >= 1; window: the keys each query sees, its own
- * included (<= 0: all). Returns 0, -1 if out of memory, or -2 for a length or block id out of bounds
- * (tables_in_bounds). */
+ * included (<= 0: all). Returns KERNEL_OK, KERNEL_NO_MEMORY, or KERNEL_OUT_OF_BOUNDS for a length or
+ * block id out of bounds (tables_in_bounds). */
 int paged_decode_attention(
     const float *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
     const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
@@ -246,7 +246,7 @@ int paged_decode_attention(
     int64_t cache_bf16, float scale, int num_threads)
 {
     if (!tables_in_bounds(block_tables, seq_lens, batch, max_blocks, num_blocks, block_size))
-        return -2;
+        return KERNEL_OUT_OF_BOUNDS;
     const int64_t group = num_heads / num_kv_heads;
     int64_t max_len = 1;
     for (int64_t b = 0; b < batch; b++)
@@ -254,7 +254,7 @@ int paged_decode_attention(
     max_len = window > 0 && window < max_len ? window : max_len; /* the most keys one query sees */
     float *scratch = malloc(sizeof(float) * num_threads * group * max_len);
     if (scratch == NULL)
-        return -1;
+        return KERNEL_NO_MEMORY;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t b = 0; b < batch; b++) {
         for (int64_t h = 0; h < num_kv_heads; h++) {
@@ -270,5 +270,5 @@ int paged_decode_attention(
         }
     }
     free(scratch);
-    return 0;
+    return KERNEL_OK;
 }

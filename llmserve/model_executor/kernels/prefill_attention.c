@@ -21,31 +21,18 @@
 #include "kernels.h"
 #include "vector_exp.h"
 
-#if defined(__AVX512F__)
-#define VL 16
+#ifdef USE_AVX512 /* rows of a register tile */
 #define MR 6
-#elif defined(__AVX__)
-#define VL 8
-#define MR 3
 #else
-#define VL 4
 #define MR 3
 #endif
 #define KV_VECTORS 4           /* vectors of keys (or of head_dim) per register tile */
 #define KC (KV_VECTORS * VL)   /* keys per chunk of the online softmax */
 #define TASK_ROWS 48           /* query rows a task aims at: its positions times the group's heads */
 
-typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(VL * sizeof(float))));
 typedef uint32_t vu __attribute__((vector_size(VL * sizeof(float))));
 typedef uint16_t vh __attribute__((vector_size(VL * sizeof(uint16_t))));
-
-static inline vf vload(const float *p)
-{
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
 
 /* VL values of a cache row from element i: fp32, or bf16 (a constant after inlining) widened exactly (a
  * bf16's bits are the top half of the fp32's). */
@@ -72,7 +59,7 @@ static inline vf broadcast(float x)
 {
 #if VL == 16
     return (vf)_mm512_set1_ps(x);
-#elif VL == 8 && defined(USE_AVX2)
+#elif VL == 8
     return (vf)_mm256_set1_ps(x);
 #else
     vf v;
@@ -92,7 +79,7 @@ static inline vf vexp(vf x)
 {
 #if VL == 16
     return (vf)exp16((__m512)x);
-#elif VL == 8 && defined(USE_AVX2)
+#elif VL == 8
     return (vf)exp8((__m256)x);
 #else
     vf y;
@@ -296,31 +283,31 @@ static void task_bf16(const Call *c, int64_t h, int64_t i0, int64_t i1, float *s
  * context_len .. context_len + q_len - 1, over the sequence's keys and values in the caches [kv_heads,
  * num_blocks, block_size, head_dim], fp32 or with `cache_bf16` bf16, through its block table of table_len
  * ids (this step's keys already written). window: the keys each query sees, its own included (<= 0:
- * all). Returns 0; -1 where head_dim is not a multiple of the build's vectors (the caller then takes
- * another path); -2 where the table does not cover the positions read or holds an id out of bounds; -3
- * if out of memory. */
+ * all). Returns KERNEL_OK; KERNEL_UNSUPPORTED where head_dim is not a multiple of the build's vectors
+ * (the caller then takes another path); KERNEL_OUT_OF_BOUNDS where the table does not cover the positions
+ * read or holds an id out of bounds; KERNEL_NO_MEMORY. */
 int prefill_attention(const float *q, const void *k_cache, const void *v_cache, const int64_t *table,
                       int64_t table_len, int64_t context_len, int64_t q_len, float *out, int64_t num_heads,
                       int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
                       int64_t window, int64_t cache_bf16, float scale, int num_threads)
 {
     if (head_dim % VL != 0 || num_heads % num_kv_heads != 0)
-        return -1;
+        return KERNEL_UNSUPPORTED;
     const int64_t group = num_heads / num_kv_heads, total = context_len + q_len;
     const int64_t start = first_seen(context_len, window); /* the first query's */
     if (q_len < 1 || context_len < 0 || (total - 1) / block_size >= table_len)
-        return -2;
+        return KERNEL_OUT_OF_BOUNDS;
     for (int64_t b = start / block_size; b <= (total - 1) / block_size; b++)
         if (table[b] < 0 || table[b] >= num_blocks)
-            return -2;
+            return KERNEL_OUT_OF_BOUNDS;
     const int64_t keys = (total - start + KC - 1) / KC * KC;
     const int64_t positions = TASK_ROWS / group > 0 ? TASK_ROWS / group : 1; /* per task */
     const int64_t runs = (q_len + positions - 1) / positions, rows = positions * group;
     float *kt = malloc(sizeof(float) * (size_t)(num_kv_heads * head_dim * keys));
     const int64_t per_thread = rows * (KC + head_dim + 2);
     float *scratch = malloc(sizeof(float) * (size_t)(num_threads * per_thread));
-    int status = kt && scratch ? 0 : -3;
-    if (status == 0) {
+    const int status = kt && scratch ? KERNEL_OK : KERNEL_NO_MEMORY;
+    if (status == KERNEL_OK) {
         const Call c = {q, v_cache, table, kt, out, num_heads, group, head_dim, num_blocks, block_size,
                         context_len, start, keys, window, scale, cache_bf16 != 0};
 #pragma omp parallel num_threads(num_threads)

@@ -11,11 +11,23 @@ from __future__ import annotations
 import ctypes
 import enum
 
+from gguf import GGMLQuantizationType
+
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
 MAX_WEIGHT_PARTS = 3
 BLOCK_GEMV_MAX_ROWS = 16  # block_q8.c's most rows
+QK = 32  # weights per block of the legacy GGUF types, and of the int8 activations
+
+
+class KernelStatus(enum.IntEnum):
+    """What the functions native.py calls return (kernels.h's KERNEL_*)."""
+
+    OK = 0
+    UNSUPPORTED = -1  # a type, shape or CPU the kernel does not take
+    NO_MEMORY = -2
+    OUT_OF_BOUNDS = -3  # a length, position, slot or id outside the caches or rows
 
 
 class MLPKind(enum.IntEnum):
@@ -26,12 +38,18 @@ class MLPKind(enum.IntEnum):
 
 # The MLP gate's activation (LayerSpec.activation, gated_activation.c's argument): ACTIVATION_*.
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+# The GGML types the kernels read, by kernels.h's names, which are gguf's.
+GGML_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "BF16")
 # Python's value of each constant of kernels.h it mirrors.
 CONSTANTS = {
     "MLP_GATED": MLPKind.GATED,
     "ACTIVATION_SILU": ACTIVATIONS["silu"],
     "ACTIVATION_GELU_TANH": ACTIVATIONS["gelu_tanh"],
     "BLOCK_GEMV_MAX_ROWS": BLOCK_GEMV_MAX_ROWS,
+    "MAX_WEIGHT_PARTS": MAX_WEIGHT_PARTS,
+    "QK": QK,
+    **{f"KERNEL_{status.name}": status for status in KernelStatus},
+    **{name: GGMLQuantizationType[name] for name in GGML_TYPES},
 }
 
 

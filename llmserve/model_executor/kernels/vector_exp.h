@@ -29,7 +29,7 @@ static inline __m256 exp8(__m256 x)
 }
 #endif
 
-#ifdef __AVX512F__
+#ifdef USE_AVX512
 static inline __m512 exp16(__m512 x)
 {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LOW)), _mm512_set1_ps(EXP_HIGH));

@@ -19,7 +19,7 @@
  * all of k in order, summed in one fixed tree, then the tail of k past the vectors, then the bias. A
  * row's result depends on neither its batch, nor its tile, nor the number of threads, nor the slices.
  *
- * The vector width is the build's (see native.py): 16 floats on AVX-512, 8 on AVX2, 4 elsewhere; MR and
+ * The vector width is the build's (vec.h's VL): 16 floats on AVX-512, 8 on AVX2, 4 elsewhere; MR and
  * NB are chosen so that the MR * NB accumulators, MR rows of x and one row of W fill the registers.
  */
 #pragma GCC optimize("fp-contract=off") /* dequant.h's exact values; the products' FMAs are explicit */
@@ -42,17 +42,11 @@
 #define KC 1024
 #define LAST_KC (KC + KC / 2)
 _Static_assert(KC % 256 == 0, "slices start on whole blocks and vectors");
-#if defined(__AVX512F__)
-#define VL 16
+#ifdef USE_AVX512
 #define MR 4
 #define NB 6
 #define MC 128
 #else
-#if defined(__AVX__)
-#define VL 8
-#else
-#define VL 4
-#endif
 #define MR 3
 #define NB 4
 #define MC 64
@@ -61,25 +55,16 @@ _Static_assert(KC % 256 == 0, "slices start on whole blocks and vectors");
 #define FUSED_ROWS 4 /* up to here the weights are multiplied from registers */
 #define FUSED_MAX 16 /* up to here a group's weights are widened as they are read, with its prefetch */
 
-typedef float vf __attribute__((vector_size(VL * sizeof(float))));
-
 /* acc + a * b, rounded once where the CPU has fused multiply-adds. */
 INLINE vf vfma(vf a, vf b, vf acc)
 {
 #if VL == 16
     return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
-#elif VL == 8 && defined(__FMA__)
+#elif VL == 8
     return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
 #else
     return a * b + acc;
 #endif
-}
-
-INLINE vf vload(const float *p)
-{
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
 }
 
 typedef float f32x4 __attribute__((vector_size(16)));
@@ -506,15 +491,16 @@ void weight_gemm_share(const float *x, int64_t m, int64_t k, const Weight *w, fl
     }
 }
 
-/* y [m, n] = x [m, k] @ W.T (+ bias). Returns 0, or -1 for a part of a type or width we do not read. */
+/* y [m, n] = x [m, k] @ W.T (+ bias). Returns KERNEL_OK, or KERNEL_UNSUPPORTED for a part of a type or
+ * width we do not read. */
 int weight_gemm(const float *x, int64_t m, int64_t k, const Weight *w, float *y, int num_threads)
 {
     if (w->num_parts < 1 || w->num_parts > MAX_WEIGHT_PARTS)
-        return -1;
+        return KERNEL_UNSUPPORTED;
     for (int64_t p = 0; p < w->num_parts; p++)
         if (row_bytes((int)w->parts[p].qtype, k) == 0)
-            return -1;
+            return KERNEL_UNSUPPORTED;
 #pragma omp parallel num_threads(num_threads)
     weight_gemm_share(x, m, k, w, y, 0);
-    return 0;
+    return KERNEL_OK;
 }

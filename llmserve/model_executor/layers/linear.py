@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.model_executor.execution_plan import ExecutionPlan, StoredProduct
+from llmserve.model_executor.execution_plan import DenseProduct, ExecutionPlan, StoredProduct
 from llmserve.model_executor.kernels import native
 from llmserve.model_executor.layers.stored_weight import StoredTensor, StoredWeight
 
@@ -73,7 +73,7 @@ class Linear(nn.Module):
 
 def dense_kernel(weight: torch.Tensor, bias: torch.Tensor | None, plan: ExecutionPlan) -> LinearKernel | None:
     """oneDNN's where the plan says so, else None for `F.linear`."""
-    return OneDNNKernel(weight, bias) if plan.dense_product() == "onednn" else None
+    return OneDNNKernel(weight, bias) if plan.dense_product() is DenseProduct.ONEDNN else None
 
 
 class OneDNNKernel:

@@ -9,18 +9,16 @@ kind it lacks through their PyTorch forward and the others in C (`native_decoder
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.model_executor.execution_plan import ExecutionPlan, GatedActivationKernel
 from llmserve.model_executor.kernels import native
 from llmserve.model_executor.kernels.structs import MLPKind
 from llmserve.model_executor.layers.linear import Linear
-
-if TYPE_CHECKING:
-    from llmserve.model_executor.execution_plan import ExecutionPlan
 
 Activation = Literal["silu", "gelu_tanh"]
 # gate_up [rows, 2 * inter] (each row's gate, then its up) → act(gate) * up [rows, inter]
@@ -62,7 +60,7 @@ class GatedMLP(MLP):
         self.activation: Activation = activation
 
     def prepare(self, plan: ExecutionPlan) -> None:
-        c_kernel = plan.gated_activation == "gated_activation.c"
+        c_kernel = plan.gated_activation is GatedActivationKernel.C
         self.gated_activation = native.gated_activation if c_kernel else torch_gated_activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
