@@ -94,10 +94,19 @@ _TIERS = {
         ]
     },
 }
-# Unit and kernel tests that take tens of seconds (real models through engine processes, sweeps).
+# Unit and kernel tests that take tens of seconds (real models through engine processes, the benchmarks'
+# own runs, the packaged models' files and tokenizers, sweeps), so that `make test-fast` stays a few
+# minutes on two cores.
 _SLOW = (
+    "tests/benchmarks/",
     "tests/engine/test_resident_start.py",
     "tests/engine/test_heap_reuse.py",
+    "tests/engine/test_mp_client.py",
+    "tests/engine/test_data_parallel.py",
+    "tests/engine/test_queue_limits.py",
+    "tests/model_executor/test_loader.py",
+    "tests/model_executor/test_tokenizer.py",
+    "tests/structured_output/test_engine_outputs.py",
 )
 
 
