@@ -30,6 +30,14 @@ Runner = Literal["auto", "generate", "pooling"]
 ResolvedRunner = Literal["generate", "pooling"]
 
 
+def check_choice(name: str, value: object, choices: Any) -> None:
+    """That `value` is one of the `Literal` type `choices`, which names them once for the type checker,
+    the flags and this check."""
+    allowed = get_args(choices)
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}.")
+
+
 def option(
     default: Any,
     help: str,
@@ -80,17 +88,12 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.runner not in get_args(Runner):
-            raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}.")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}.")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}.")
+        check_choice("runner", self.runner, Runner)
+        check_choice("dtype", self.dtype, Dtype)
+        check_choice("device", self.device, Device)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
-        if self.quantization not in get_args(Quantization):
-            choices = ", ".join(get_args(Quantization))
-            raise ValueError(f"quantization must be one of {choices}, got {self.quantization!r}.")
+        check_choice("quantization", self.quantization, Quantization)
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}.")
 
@@ -111,9 +114,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
-        if self.kv_cache_dtype not in get_args(KVCacheDtype):
-            choices = ", ".join(get_args(KVCacheDtype))
-            raise ValueError(f"kv_cache_dtype must be one of {choices}, got {self.kv_cache_dtype!r}.")
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, KVCacheDtype)
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}.")
 
@@ -140,8 +141,7 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
-        if self.scheduling_policy not in get_args(SchedulingPolicy):
-            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}.")
+        check_choice("scheduling_policy", self.scheduling_policy, SchedulingPolicy)
         if self.max_queue_time is not None and not self.max_queue_time > 0:
             raise ValueError(f"max_queue_time must be positive, got {self.max_queue_time}.")
 
@@ -170,8 +170,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {self.data_parallel_size}.")
-        if self.data_parallel_backend not in get_args(DataParallelBackend):
-            raise ValueError(f"data_parallel_backend must be mp or ray, got {self.data_parallel_backend!r}.")
+        check_choice("data_parallel_backend", self.data_parallel_backend, DataParallelBackend)
 
 
 @dataclass(frozen=True)
@@ -228,8 +227,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in get_args(SpeculativeMethod):
-            raise ValueError(f"speculative_config.method must be ngram, got {self.method!r}.")
+        check_choice("speculative_config.method", self.method, SpeculativeMethod)
         if type(self.num_speculative_tokens) is not int or self.num_speculative_tokens < 1:
             raise ValueError(
                 f"speculative_config.num_speculative_tokens must be a positive integer, got "
