@@ -105,8 +105,10 @@ _SLOW = (
     "tests/engine/test_data_parallel.py",
     "tests/engine/test_queue_limits.py",
     "tests/model_executor/test_loader.py",
+    "tests/model_executor/test_moe.py",
     "tests/model_executor/test_tokenizer.py",
     "tests/structured_output/test_engine_outputs.py",
+    "tests/entrypoints/test_moe_server.py",
 )
 
 

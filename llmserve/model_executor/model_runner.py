@@ -31,6 +31,7 @@ from llmserve.model_executor.logits_processors import (
 )
 from llmserve.model_executor.models.causal_lm import KVCache
 from llmserve.model_executor.models.decoder_config import DecoderConfig
+from llmserve.model_executor.models.moe_config import MoEConfig
 from llmserve.model_executor.models.registry import model_class
 from llmserve.model_executor.native_decoder import NativeDecoder, misfit, op_by_op_layers
 from llmserve.model_executor.pooler import Pooler, PoolerConfig, PoolingSpan, vector_bytes
@@ -89,6 +90,9 @@ class ModelRunner:
             self.plan = self.plan.with_op_by_op_layers(layers, "decoder_step.c lacks their MLPs' kind")
         for line in self.plan.describe():
             logger.info("%s", line)
+        total, active = model.parameter_counts()
+        experts = f"; {decoder_config.describe()}" if isinstance(decoder_config, MoEConfig) else ""
+        logger.info("Parameters: %.3gB, %.3gB read per token%s", total / 1e9, active / 1e9, experts)
         model.prepare_kernels(self.plan)
         self.model = model.eval()
         # decode-only steps through decoder_step.c, where the plan says so (`_forward`)

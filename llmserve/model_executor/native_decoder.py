@@ -151,6 +151,8 @@ def misfit(model: CausalLM) -> str | None:
         p = layer.parts
         if (p.q_norm is None) != (p.k_norm is None):
             return f"decoder_step.c takes both q and k norms or neither; {name} has one"
+        if p.q_norm is not None and not p.qk_norm_per_head:
+            return f"decoder_step.c normalises q and k per head; {name} over the whole projections"
         if p.rotary.rotary_dim != layer.shape.head_dim:
             return f"decoder_step.c rotates whole heads; {name} rotates part of each"
     return None

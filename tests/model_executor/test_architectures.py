@@ -102,11 +102,16 @@ def greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
 
 
-def check(llm: LLM, outputs: list[RequestOutput], references: dict[tuple[int, ...], Reference]) -> None:
+def check(
+    llm: LLM,
+    outputs: list[RequestOutput],
+    references: dict[tuple[int, ...], Reference],
+    tolerance: float = LOGPROB_TOLERANCE,
+) -> None:
     for out in outputs:
         ref = references[tuple(out.prompt_token_ids)]
         assert_matches_hf(llm, out, ref)
-        assert_top_logprobs_match(out.outputs[0], ref, k=5, tolerance=LOGPROB_TOLERANCE)
+        assert_top_logprobs_match(out.outputs[0], ref, k=5, tolerance=tolerance)
 
 
 def record_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, bool]]:

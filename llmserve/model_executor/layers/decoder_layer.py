@@ -3,9 +3,10 @@
     x → input_norm → QKV → (q_norm, k_norm per head) → RoPE → paged attention (maybe windowed) → o
       → (attn_out_norm) → + x → mlp_norm → mlp → (mlp_out_norm) → + x
 
-Llama, Mistral, Qwen2 and Phi-3 have no q/k or output norms and use SiLU; Qwen3 adds the q/k norms;
+Llama, Mistral, Qwen2 and Phi-3 have no q/k or output norms and use SiLU; Qwen3 adds the q/k norms
+(OLMoE's span the whole projections, before they are split into heads);
 Gemma 3 has them all, with (1 + w) norms and tanh GELU. The MLP is a role (`layers/mlp.py`): dense
-act(gate) * up → down in every architecture today, another module for an MoE block. An architecture's
+act(gate) * up → down, or a Mixture-of-Experts block (`layers/moe.py`). An architecture's
 layer builds its parts under its checkpoint's names and hands them over as `LayerParts`: this forward
 and the fused decode step (`native_decoder.py` → `kernels/decoder_step.c`) both compute from
 those same parts, so a layer is defined once.
@@ -43,6 +44,7 @@ class LayerParts:
     rotary: RotaryEmbedding  # shared between layers that use the same tables
     q_norm: nn.Module | None = None  # over each head's head_dim, before RoPE
     k_norm: nn.Module | None = None
+    qk_norm_per_head: bool = True  # False: q_norm and k_norm span the whole projections (OLMoE)
     attn_out_norm: nn.Module | None = None  # on the attention's output, before the residual add
     mlp_out_norm: nn.Module | None = None
 
@@ -83,9 +85,11 @@ class DecoderLayer(nn.Module):
         p, s = self.parts, self.shape
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         q, k, v = p.qkv(p.input_norm(x)).split([q_size, kv_size, kv_size], dim=-1)
+        if p.q_norm is not None and p.k_norm is not None and not p.qk_norm_per_head:
+            q, k = p.q_norm(q), p.k_norm(k)
         q = q.reshape(-1, s.num_heads, s.head_dim)
         k = k.reshape(-1, s.num_kv_heads, s.head_dim)
-        if p.q_norm is not None and p.k_norm is not None:
+        if p.q_norm is not None and p.k_norm is not None and p.qk_norm_per_head:
             q, k = p.q_norm(q), p.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         v = v.reshape(-1, s.num_kv_heads, s.head_dim)

@@ -43,6 +43,10 @@ class Linear(nn.Module):
     def stored(self) -> bool:
         return self.weight is None
 
+    @property
+    def num_parameters(self) -> int:
+        return self.out_features * self.in_features + (0 if self.bias is None else self.out_features)
+
     def prepare(self, plan: ExecutionPlan) -> None:
         """After the weights are loaded: the kernel the plan gives this weight."""
         if self.stored:

@@ -1,7 +1,7 @@
 """A decoder layer's MLP role: what runs after the attention's residual add and the MLP's norm.
 
-Every architecture in `models/` fills it with the dense `GatedMLP` (act(gate) * up → down) today; a
-Mixture-of-Experts block or an adapter-wrapped projection fills it with its own `MLP`. Its `kind` says
+A dense layer fills it with `GatedMLP` (act(gate) * up → down), a Mixture-of-Experts layer with
+`layers/moe.py`'s `SparseMoE`. Its `kind` says
 whether the fused decode step (`kernels/decoder_step.c`) computes it: the plan runs the layers whose
 kind it lacks through their PyTorch forward and the others in C (`native_decoder.py`).
 """

@@ -63,7 +63,7 @@ def load_model_config(source: ModelSource) -> DecoderConfig | BertConfig:
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"Cannot read a model config from {config_path}: {e!r}") from e
     header = read_gguf_header(source.path)
-    arch = architecture_from_gguf(header.architecture, header.path)
+    arch = architecture_from_gguf(header)
     return config_class(arch).from_gguf(header, arch)
 
 
@@ -97,7 +97,7 @@ def _iter_safetensors(source: ModelSource, stored: bool) -> Weights:
 
 def _iter_gguf(source: ModelSource, stored: bool) -> Weights:
     header = read_gguf_header(source.path)
-    architecture = architecture_from_gguf(header.architecture, header.path)
+    architecture = architecture_from_gguf(header)
     model = model_class(architecture)
     config = model.config_class.from_gguf(header, architecture)
     permuted = header.architecture in GGUF_PERMUTED_QK
@@ -106,7 +106,7 @@ def _iter_gguf(source: ModelSource, stored: bool) -> Weights:
     for gguf_name, info in header.tensors.items():
         name = _hf_name(gguf_name, source, model)
         raw = tensor_bytes(data, info)
-        if stored and len(info.shape) == 2 and native.row_bytes(int(info.qtype), info.shape[1]) > 0:
+        if stored and len(info.shape) in (2, 3) and native.row_bytes(int(info.qtype), info.shape[-1]) > 0:
             tensor: torch.Tensor = torch.from_numpy(raw)  # the mapped file itself
         else:
             try:
@@ -119,12 +119,16 @@ def _iter_gguf(source: ModelSource, stored: bool) -> Weights:
             heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
             tensor = _unpermute_rows(tensor, heads)  # a copy, in HF's row order
             reordered += tensor.numel() * tensor.element_size()
-        if tensor.dtype == torch.uint8:
-            yield name, StoredTensor(int(info.qtype), tensor, info.shape[1])
-        elif stored and tensor.dim() == 2:
-            yield name, StoredTensor.from_dense(tensor)
-        else:
-            yield name, tensor
+        # an MoE layer's experts are one 3-D tensor [expert, rows, cols]: each expert's slice is its weight
+        experts = range(info.shape[0])
+        weights = [(name.format(e), tensor[e]) for e in experts] if "{}" in name else [(name, tensor)]
+        for hf_name, weight in weights:
+            if weight.dtype == torch.uint8:
+                yield hf_name, StoredTensor(int(info.qtype), weight, info.shape[-1])
+            elif stored and weight.dim() == 2:
+                yield hf_name, StoredTensor.from_dense(weight)
+            else:
+                yield hf_name, weight
     if stored and reordered:
         logger.info(
             "Copied the q/k rows (%.0f MiB) into Hugging Face's order; the rest is mapped.", reordered / 2**20

@@ -22,6 +22,7 @@ from llmserve.model_executor.execution_plan import ExecutionPlan
 from llmserve.model_executor.layers.decoder_layer import DecoderLayer, KVCache
 from llmserve.model_executor.layers.embedding import StoredEmbedding
 from llmserve.model_executor.layers.linear import Linear, LinearKernel, StoredKernel, dense_kernel
+from llmserve.model_executor.layers.moe import SparseMoE
 from llmserve.model_executor.layers.rotary_embedding import RopeAngles, RotaryEmbedding
 from llmserve.model_executor.layers.stored_weight import StoredTensor, StoredWeight
 from llmserve.model_executor.models.decoder_config import DecoderConfig
@@ -48,6 +49,8 @@ class CausalLM(nn.Module):
     config_class: ClassVar[type[DecoderConfig]] = DecoderConfig
     # Checkpoint name fragment → (our fused parameter fragment, shard index among its parts).
     fused_shards: ClassVar[dict[str, tuple[str, int]]] = {}
+    # Checkpoint name fragment → ours, where a family names a module otherwise (Mixtral's experts' w1).
+    checkpoint_renames: ClassVar[dict[str, str]] = {}
     gguf_layer_names: ClassVar[dict[str, str]] = LLAMA_GGUF_LAYER_NAMES
 
     layers: nn.ModuleList  # of DecoderLayer
@@ -155,15 +158,26 @@ class CausalLM(nn.Module):
         else:
             self.logits_kernel = dense_kernel(self.embed_tokens.weight, None, plan)
 
-    def shard_sizes(self, fused: str) -> list[int]:
-        """The rows of each checkpoint shard of a fused projection."""
+    def shard_sizes(self, fused: str, target: str) -> list[int]:
+        """The rows of each checkpoint shard of the fused projection `target` (our parameter's name)."""
         c = self.config
         if fused == "qkv_proj":
             kv = c.num_key_value_heads * c.head_dim
             return [c.num_attention_heads * c.head_dim, kv, kv]
-        if fused == "gate_up_proj":
-            return [c.intermediate_size, c.intermediate_size]
+        if fused == "gate_up_proj":  # a dense MLP's, an expert's or a shared expert's: halves
+            module = self.get_submodule(target.removesuffix(".weight"))
+            assert isinstance(module, Linear)
+            return [module.out_features // 2] * 2
         raise ValueError(f"{type(self).__name__} has no fused projection {fused!r}.")
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(every weight, the weights one token reads): they differ by the experts a token skips."""
+        total = sum(p.numel() for p in self.parameters())
+        total += sum(linear.out_features * linear.in_features for linear in self.linears() if linear.stored)
+        if isinstance(self.embed_tokens, StoredEmbedding):
+            total += self.embed_tokens.num_embeddings * self.embed_tokens.embedding_dim
+        skipped = sum(m.inactive_parameters() for m in self.modules() if isinstance(m, SparseMoE))
+        return total, total - skipped
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | StoredTensor]]) -> None:
@@ -176,7 +190,7 @@ class CausalLM(nn.Module):
             fragment = name.split(".")[-2] if "." in name else ""
             if fragment in fused_targets:
                 expected.discard((name, None))
-                expected.update((name, i) for i in range(len(self.shard_sizes(fragment))))
+                expected.update((name, i) for i in range(len(self.shard_sizes(fragment, name))))
         for name, module in self.named_modules():
             if isinstance(module, Linear) and module.stored:
                 shards = range(len(module.parts)) if len(module.parts) > 1 else [None]
@@ -189,28 +203,37 @@ class CausalLM(nn.Module):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             target, fused, shard = name, "", None
-            parts = name.split(".")
+            parts = [self.checkpoint_renames.get(part, part) for part in name.split(".")]
             if len(parts) >= 2 and parts[-2] in self.fused_shards:
                 fused, shard = self.fused_shards[parts[-2]]
-                target = ".".join(parts[:-2] + [fused, parts[-1]])
-            rows = self.shard_sizes(fused)[shard] if shard is not None else None
+                parts[-2] = fused
+            target = ".".join(parts)
+            if isinstance(tensor, StoredTensor) and target in params:  # a dense parameter: a router, say
+                tensor = tensor.dequantize()
+            rows = self.shard_sizes(fused, target)[shard] if shard is not None else None
             if isinstance(tensor, StoredTensor):
                 self._keep_stored(hf_name, target, shard, rows, tensor)
             else:
-                self._copy_dense(hf_name, params.get(target), shard, fused, tensor)
+                self._copy_dense(hf_name, target, params.get(target), shard, fused, tensor)
             loaded.add((target, shard))
         missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
         if missing:
             raise ValueError(f"The checkpoint lacks {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}.")
 
     def _copy_dense(
-        self, hf_name: str, param: nn.Parameter | None, shard: int | None, fused: str, tensor: torch.Tensor
+        self,
+        hf_name: str,
+        target: str,
+        param: nn.Parameter | None,
+        shard: int | None,
+        fused: str,
+        tensor: torch.Tensor,
     ) -> None:
         if param is None:
             raise ValueError(f"Checkpoint tensor {hf_name!r} has no place in {type(self).__name__}.")
         dest = param.data
         if shard is not None:
-            sizes = self.shard_sizes(fused)
+            sizes = self.shard_sizes(fused, target)
             dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
         _check_shape(hf_name, tuple(tensor.shape), tuple(dest.shape))
         dest.copy_(tensor)

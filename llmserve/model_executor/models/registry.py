@@ -16,6 +16,7 @@ from llmserve.model_executor.models.causal_lm import CausalLM
 from llmserve.model_executor.models.decoder_config import DecoderConfig
 
 if TYPE_CHECKING:
+    from llmserve.model_executor.loader.gguf_file import GGUFHeader
     from llmserve.model_executor.models.bert import BertConfig, BertModel
 
 # Hugging Face architecture → (module under models/, class in it)
@@ -26,6 +27,16 @@ _MODELS = {
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "OlmoeForCausalLM": ("olmoe", "OlmoeForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+}
+# Hugging Face architecture → what is missing, for models we refuse with a reason rather than a list
+_NOT_YET = {
+    "GptOssForCausalLM": (
+        "gpt-oss needs MXFP4 experts, attention sinks and the harmony chat format, not built yet"
+    ),
 }
 # Hugging Face architecture → (module under models/, class in it), for the bidirectional encoders
 _ENCODERS = {
@@ -39,6 +50,10 @@ _GGUF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 # llama.cpp's converter interleaves the rows of q_proj and k_proj for these (see weights._unpermute_rows)
 GGUF_PERMUTED_QK = frozenset({"llama", "mistral"})
@@ -73,6 +88,8 @@ def config_class(architecture: str) -> type[DecoderConfig] | type[BertConfig]:
 
 
 def _import(architecture: str, known: dict[str, tuple[str, str]]) -> type:
+    if architecture in _NOT_YET:
+        raise ValueError(f"Unsupported architecture {architecture!r}: {_NOT_YET[architecture]}.")
     if architecture not in known:
         raise ValueError(
             f"Unsupported architecture {architecture!r}; "
@@ -83,13 +100,16 @@ def _import(architecture: str, known: dict[str, tuple[str, str]]) -> type:
     return cls
 
 
-def architecture_from_gguf(gguf_architecture: str, path: object) -> str:
-    """Hugging Face's name for a GGUF's `general.architecture`."""
+def architecture_from_gguf(header: GGUFHeader) -> str:
+    """Hugging Face's name for a GGUF's `general.architecture` (a `llama` one with experts is Mixtral)."""
+    gguf_architecture = header.architecture
     if gguf_architecture not in _GGUF_ARCHITECTURES:
         raise ValueError(
-            f"Unsupported architecture {gguf_architecture!r} in {path}; llmserve reads GGUF files of "
+            f"Unsupported architecture {gguf_architecture!r} in {header.path}; llmserve reads GGUF files of "
             f"{', '.join(sorted(_GGUF_ARCHITECTURES))}."
         )
+    if gguf_architecture == "llama" and header.metadata.get("llama.expert_count"):
+        return "MixtralForCausalLM"
     return _GGUF_ARCHITECTURES[gguf_architecture]
 
 
