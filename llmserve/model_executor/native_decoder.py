@@ -16,7 +16,7 @@ import ctypes
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from llmserve.model_executor.layers.decoder_layer import DecoderLayer, KVCache
 from llmserve.model_executor.layers.layernorm import RMSNorm
 from llmserve.model_executor.layers.linear import Linear, StoredKernel
 from llmserve.model_executor.layers.mlp import GatedMLP
+from llmserve.model_executor.layers.moe import SparseMoE
 from llmserve.model_executor.layers.rotary_embedding import RopeAngles
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ class _Run:
     first: int  # the index of the first, into the model's layers and KV caches
     spec: native.DecoderSpec | None = None
     specs: ctypes.Array[native.LayerSpec] | None = None  # behind spec.layers
+    experts: list[ctypes.Array[native.Weight]] = dataclasses.field(default_factory=list)  # behind specs
 
 
 class NativeDecoder:
@@ -111,13 +113,13 @@ class NativeDecoder:
 
 def _spec(
     model: CausalLM, layers: list[DecoderLayer], plan: ExecutionPlan, last: bool
-) -> tuple[native.DecoderSpec, ctypes.Array[native.LayerSpec]]:
-    """decoder_step.c's view of `layers`, with the final norm where they are the model's last."""
+) -> tuple[native.DecoderSpec, ctypes.Array[native.LayerSpec], list[ctypes.Array[native.Weight]]]:
+    """decoder_step.c's view of `layers`, with the final norm where they are the model's last; and the
+    arrays of the MoE layers' experts its specs point to."""
     norm = next(m for m in model.modules() if isinstance(m, RMSNorm))
     shape = layers[0].shape
     specs = (native.LayerSpec * len(layers))()
-    for spec, layer in zip(specs, layers):
-        _describe(spec, layer)
+    experts = [weights for spec, layer in zip(specs, layers) if (weights := _describe(spec, layer))]
     spec = native.DecoderSpec(
         num_layers=len(layers),
         hidden=model.config.hidden_size,
@@ -133,7 +135,7 @@ def _spec(
         layers=ctypes.cast(specs, ctypes.POINTER(native.LayerSpec)),
         final_norm=_address(model.norm) if last else None,
     )
-    return spec, specs
+    return spec, specs, experts
 
 
 def misfit(model: CausalLM) -> str | None:
@@ -151,8 +153,6 @@ def misfit(model: CausalLM) -> str | None:
         p = layer.parts
         if (p.q_norm is None) != (p.k_norm is None):
             return f"decoder_step.c takes both q and k norms or neither; {name} has one"
-        if p.q_norm is not None and not p.qk_norm_per_head:
-            return f"decoder_step.c normalises q and k per head; {name} over the whole projections"
         if p.rotary.rotary_dim != layer.shape.head_dim:
             return f"decoder_step.c rotates whole heads; {name} rotates part of each"
     return None
@@ -163,18 +163,31 @@ def op_by_op_layers(model: CausalLM) -> tuple[int, ...]:
     return tuple(i for i, layer in enumerate(model.decoder_layers()) if layer.parts.mlp.kind is None)
 
 
-def _describe(spec: native.LayerSpec, layer: DecoderLayer) -> None:
-    """Point `spec` at the layer's parts."""
+def _describe(spec: native.LayerSpec, layer: DecoderLayer) -> ctypes.Array[native.Weight] | None:
+    """Point `spec` at the layer's parts; an MoE layer's experts' weights are an array the spec points to,
+    returned to be kept alive beside it."""
     p, mlp = layer.parts, layer.parts.mlp
-    assert isinstance(mlp, GatedMLP), f"decoder_step.c has no code for a {type(mlp).__name__}"
     spec.input_norm, spec.post_norm = _address(p.input_norm), _address(p.mlp_norm)
     spec.q_norm, spec.k_norm = _address(p.q_norm), _address(p.k_norm)
+    spec.qk_norm_whole = not p.qk_norm_per_head
     spec.attn_out_norm, spec.mlp_out_norm = _address(p.attn_out_norm), _address(p.mlp_out_norm)
     spec.qkv, spec.o = _weight(p.qkv), _weight(p.o)
-    spec.mlp_kind, spec.intermediate = mlp.kind, mlp.intermediate
-    spec.gate_up, spec.down = _weight(mlp.gate_up_proj), _weight(mlp.down_proj)
-    spec.activation = native.ACTIVATIONS[mlp.activation]
     spec.sliding_window = layer.shape.sliding_window or 0
+    spec.mlp_kind = mlp.kind
+    if isinstance(mlp, GatedMLP):
+        spec.intermediate, spec.activation = mlp.intermediate, native.ACTIVATIONS[mlp.activation]
+        spec.gate_up, spec.down = _weight(mlp.gate_up_proj), _weight(mlp.down_proj)
+        return None
+    assert isinstance(mlp, SparseMoE) and mlp.kind is not None, f"decoder_step.c has no code for {mlp}"
+    experts = [cast(GatedMLP, expert) for expert in mlp.experts]
+    weights = (native.Weight * (2 * len(experts)))()
+    for i, expert in enumerate(experts):
+        weights[2 * i], weights[2 * i + 1] = _weight(expert.gate_up_proj), _weight(expert.down_proj)
+    assert mlp.gate.stored is not None, "prepare the model's kernels first"
+    spec.experts, spec.router = ctypes.cast(weights, ctypes.POINTER(native.Weight)), mlp.gate.stored.native
+    spec.num_experts, spec.top_k, spec.norm_topk = len(experts), mlp.gate.top_k, mlp.gate.normalize
+    spec.intermediate, spec.activation = experts[0].intermediate, native.ACTIVATIONS[experts[0].activation]
+    return weights
 
 
 def _address(norm: nn.Module | None) -> int | None:

@@ -1,8 +1,8 @@
 """Mixture-of-Experts decoders (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE) give transformers' greedy tokens and
 top-5 logprobs on the same random weights, from safetensors and from GGUF files whose experts are F32,
 Q8_0 or Q4_K blocks: in batches mixing prefill chunks with decodes, with prefix caching on and off, with
-our C kernels and PyTorch's. `test_moe_routing.py` checks the routing's edge cases against
-transformers' own block.
+our C kernels (decode steps through decoder_step.c, experts included) and PyTorch's.
+`test_moe_routing.py` checks the routing's edge cases against transformers' own block.
 
 The quantized files' references are transformers on the dequantized values (the fixture rounds the
 HF folder's experts through the same blocks), so every comparison is fp32 against fp32.
@@ -27,7 +27,7 @@ from llmserve.model_executor.layers.moe import SparseMoE
 from llmserve.model_executor.model_runner import ModelRunner
 from llmserve.model_executor.models.moe_config import MoEConfig
 from tests.e2e.greedy_reference import Reference, hf_greedy
-from tests.engine.test_llm_batching import assert_no_leaks, core_of, make_llm, runner_of
+from tests.engine.test_llm_batching import assert_no_leaks, core_of, count_native_steps, make_llm, runner_of
 from tests.fixtures.tiny_llama import VOCAB_SIZE
 from tests.fixtures.tiny_moe import MOE_FAMILIES, write_moe_gguf, write_tiny_moe
 from tests.model_executor.test_architectures import (
@@ -101,10 +101,14 @@ def test_greedy_matches_transformers(
     # A budget of 16 tokens a step: prompts are prefilled in chunks while earlier requests decode.
     llm = make_llm(model, dtype="float32", max_num_batched_tokens=16, block_size=BLOCK_SIZE, **options)
     try:
-        steps = record_steps(llm, monkeypatch)
+        steps, native_steps = record_steps(llm, monkeypatch), count_native_steps(monkeypatch)
         prompts: list[TokensPrompt] = [{"prompt_token_ids": p} for p in mixed_prompts(family)]
         check(llm, llm.generate(prompts, greedy(), use_tqdm=False), refs, LOGPROB_TOLERANCE)
         assert (True, True) in steps, "no step ran a decode beside a prompt's unfinished chunk"
+        # with our kernels, decode-only steps run the layers, experts included, in decoder_step.c; Qwen2-MoE's
+        # shared expert is not in its code, and those layers decode op by op
+        fused = runner_of(llm).plan.stored_weights and family != "qwen2_moe"
+        assert (native_steps[0] > 0) == fused, native_steps
 
         first, *rest = shared_prefix_prompts(family)
         outputs = llm.generate({"prompt_token_ids": first}, greedy(), use_tqdm=False)  # fills the cache

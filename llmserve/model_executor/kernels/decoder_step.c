@@ -7,8 +7,10 @@
  * RMSNorm -> QKV -> (q/k norms) -> RoPE -> KV write -> paged attention (within the layer's sliding
  * window, if it has one) -> o_proj -> (norm) + residual -> RMSNorm -> MLP -> (norm) + residual, per
  * layer, then the final RMSNorm. The MLP is the layer's kind (LayerSpec.mlp_kind): MLP_GATED, gate/up ->
- * act(gate) * up -> down, is the one it computes; the plan runs a layer of another kind through its
- * PyTorch forward, between two calls over the layers around it (native_decoder.py).
+ * act(gate) * up -> down, or MLP_EXPERTS, a router's top k of such MLPs per row (layers/moe.py: the
+ * rows grouped by expert, each chosen expert's rows multiplied together, its outputs added back in
+ * expert order, weighted). The plan runs a layer of another kind through its PyTorch forward, between
+ * two calls over the layers around it (native_decoder.py).
  *
  * Every projection multiplies its weight in the stored format (weight_gemm.c). With int8 activations
  * (`--quantization gguf|int8|int4`) steps of up to `block_rows` rows multiply the blocks as integers
@@ -75,6 +77,14 @@ typedef struct {
     uint8_t *scratch; /* [threads, int8_scratch_bytes(widest)] */
     int64_t scratch_bytes;
     float *scores;    /* [threads, group, max_len] */
+    /* MLP_EXPERTS layers: */
+    float *logits;    /* [rows, max experts]: the router's */
+    float *gathered;  /* [rows, hidden]: the normed rows one expert takes */
+    float *moe_sum;   /* [rows, hidden]: the chosen experts' weighted outputs, summed in expert order */
+    int64_t *chosen;  /* [rows, max top_k]: each row's experts, ascending */
+    float *chosen_weight;
+    int64_t *members; /* [rows * max top_k]: (row, choice) pairs, grouped by expert */
+    int64_t *first;   /* [max experts + 1]: each expert's pairs in members */
 } Step;
 
 /* Point the step's input at x [rows, in], as the next projection reads it; by every thread. */
@@ -202,7 +212,10 @@ static void rope_and_store(const DecoderSpec *s, const LayerSpec *layer, float *
     for (int64_t r = 0; r < rows; r++) {
         float *q = qkv + r * width, *k = q + q_size, *v = k + kv_size;
         const float *cos = layer->rope_cos + positions[r] * half, *sin = layer->rope_sin + positions[r] * half;
-        if (layer->q_norm) {
+        if (layer->q_norm && layer->qk_norm_whole) {
+            rms_norm(q, layer->q_norm, s->norm_offset, 1, q_size, s->eps, q);
+            rms_norm(k, layer->k_norm, s->norm_offset, 1, kv_size, s->eps, k);
+        } else if (layer->q_norm) {
             rms_norm(q, layer->q_norm, s->norm_offset, s->num_heads, s->head_dim, s->eps, q);
             rms_norm(k, layer->k_norm, s->norm_offset, s->num_kv_heads, s->head_dim, s->eps, k);
         }
@@ -256,6 +269,106 @@ static void project_into_residual(const DecoderSpec *s, const Weight *p, Step *t
     }
 }
 
+/* Each row's top k experts by router logit (the lower index first among equal ones), with their
+ * softmax probabilities over every expert (renormalised over the k where norm_topk), and the
+ * (row, choice) pairs grouped by expert; by one thread. */
+static void route(const LayerSpec *layer, Step *t)
+{
+    const int64_t n = layer->num_experts, k = layer->top_k;
+    for (int64_t e = 0; e <= n; e++)
+        t->first[e] = 0;
+    for (int64_t r = 0; r < t->rows; r++) {
+        const float *logits = t->logits + r * n;
+        int64_t *chosen = t->chosen + r * k;
+        float *weight = t->chosen_weight + r * k;
+        float max = logits[0];
+        for (int64_t e = 1; e < n; e++)
+            max = logits[e] > max ? logits[e] : max;
+        float total = 0.0f;
+        for (int64_t e = 0; e < n; e++)
+            total += expf(logits[e] - max);
+        for (int64_t j = 0; j < k; j++) { /* the best expert not yet chosen; the lower index among equals */
+            int64_t best = -1;
+            for (int64_t e = 0; e < n; e++) {
+                int64_t taken = 0;
+                for (int64_t i = 0; i < j; i++)
+                    taken |= chosen[i] == e;
+                if (!taken && (best < 0 || logits[e] > logits[best]))
+                    best = e;
+            }
+            chosen[j] = best;
+        }
+        float sum = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            weight[j] = expf(logits[chosen[j]] - max) / total;
+            sum += weight[j];
+        }
+        if (layer->norm_topk)
+            for (int64_t j = 0; j < k; j++)
+                weight[j] /= sum;
+        for (int64_t j = 0; j < k; j++)
+            t->first[chosen[j] + 1]++;
+    }
+    for (int64_t e = 0; e < n; e++)
+        t->first[e + 1] += t->first[e];
+    for (int64_t e = 0; e < n; e++) /* members in row order within each expert: first[e] counts up */
+        for (int64_t r = 0; r < t->rows; r++)
+            for (int64_t j = 0; j < k; j++)
+                if (t->chosen[r * k + j] == e)
+                    t->members[t->first[e]++] = r * k + j;
+    for (int64_t e = n; e > 0; e--) /* back to each expert's start */
+        t->first[e] = t->first[e - 1];
+    t->first[0] = 0;
+}
+
+/* x += the layer's experts on the normed rows (t->normed): the router's choice, then each chosen
+ * expert's gated MLP over all the rows that chose it, in expert order; by every thread. */
+static void experts_step(const DecoderSpec *s, const LayerSpec *layer, Step *t, float *x)
+{
+    const int64_t hidden = s->hidden, inter = layer->intermediate, rows = t->rows, k = layer->top_k;
+    weight_gemm_share(t->normed, rows, hidden, &layer->router, t->logits, 0);
+#pragma omp barrier
+#pragma omp single
+    route(layer, t);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < rows * hidden; i++)
+        t->moe_sum[i] = 0.0f;
+    for (int64_t e = 0; e < layer->num_experts; e++) {
+        const int64_t begin = t->first[e], count = t->first[e + 1] - begin;
+        if (!count)
+            continue;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < count; i++)
+            memcpy(t->gathered + i * hidden, t->normed + t->members[begin + i] / k * hidden,
+                   sizeof(float) * (size_t)hidden);
+#pragma omp single
+        t->rows = t->input.rows = count;
+        feed(s, t, t->gathered, hidden);
+        gate_up_act(&layer->experts[2 * e], t, inter, layer->activation, t->wide);
+        feed(s, t, t->wide, inter);
+        project(&layer->experts[2 * e + 1], t, hidden, t->out, 0);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < count; i++) {
+            const int64_t pair = t->members[begin + i];
+            const float w = t->chosen_weight[pair];
+            float *sum = t->moe_sum + pair / k * hidden;
+            const float *y = t->out + i * hidden;
+            for (int64_t j = 0; j < hidden; j++)
+                sum[j] += y[j] * w;
+        }
+#pragma omp single
+        t->rows = t->input.rows = rows;
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float *out = t->moe_sum + r * hidden;
+        if (layer->mlp_out_norm)
+            rms_norm(out, layer->mlp_out_norm, s->norm_offset, 1, hidden, s->eps, out);
+        for (int64_t j = 0; j < hidden; j++)
+            x[r * hidden + j] += out[j];
+    }
+}
+
 /* One decoder layer; called by every thread of the parallel region. */
 static void layer_step(const DecoderSpec *s, const LayerSpec *layer, Step *t, float *x)
 {
@@ -279,17 +392,24 @@ static void layer_step(const DecoderSpec *s, const LayerSpec *layer, Step *t, fl
     feed(s, t, t->normed, q_size);
     project_into_residual(s, &layer->o, t, layer->attn_out_norm, x);
     norm_rows(s, x, layer->post_norm, rows, hidden, t->normed);
+    if (layer->mlp_kind == MLP_EXPERTS) {
+        experts_step(s, layer, t, x);
+        return;
+    }
     feed(s, t, t->normed, hidden);
     gate_up_act(&layer->gate_up, t, inter, layer->activation, t->wide);
     feed(s, t, t->wide, inter);
     project_into_residual(s, &layer->down, t, layer->mlp_out_norm, x);
 }
 
-/* Whether decoder_step computes this layer's MLP at these rows: its kind, its activation, and, with int8
- * activations, a width of whole blocks. */
+/* Whether decoder_step computes this layer's MLP at these rows: its kind (with experts, a top k among
+ * them), its activation, and, with int8 activations, a width of whole blocks. */
 static int mlp_fits(const DecoderSpec *s, const LayerSpec *layer, int int8_inputs)
 {
-    return layer->mlp_kind == MLP_GATED && layer->intermediate >= 1 && layer->intermediate <= s->intermediate &&
+    const int experts = layer->mlp_kind == MLP_EXPERTS && layer->experts && layer->num_experts >= 1 &&
+                        layer->top_k >= 1 && layer->top_k <= layer->num_experts;
+    return (layer->mlp_kind == MLP_GATED || experts) && layer->intermediate >= 1 &&
+           layer->intermediate <= s->intermediate &&
            (layer->activation == ACTIVATION_SILU || layer->activation == ACTIVATION_GELU_TANH) &&
            !(int8_inputs && layer->intermediate % QK);
 }
@@ -325,11 +445,28 @@ int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const
               .input = {.rows = rows}};
     for (int64_t r = 0; r < rows; r++)
         t.max_len = max64(t.max_len, seq_lens[r]);
+    int64_t experts = 0, top_k = 0; /* the most of any layer, for MLP_EXPERTS layers' buffers */
+    for (int64_t l = 0; l < s->num_layers; l++)
+        if (s->layers[l].mlp_kind == MLP_EXPERTS) {
+            experts = max64(experts, s->layers[l].num_experts);
+            top_k = max64(top_k, s->layers[l].top_k);
+        }
     t.normed = malloc(sizeof(float) * rows * narrow);
     t.wide = malloc(sizeof(float) * rows * wide);
     t.scores = malloc(sizeof(float) * num_threads * group * t.max_len);
     t.out = malloc(sizeof(float) * rows * s->hidden);
     int ready = t.normed && t.wide && t.scores && t.out;
+    if (experts) {
+        t.logits = malloc(sizeof(float) * rows * experts);
+        t.gathered = malloc(sizeof(float) * rows * s->hidden);
+        t.moe_sum = malloc(sizeof(float) * rows * s->hidden);
+        t.chosen = malloc(sizeof(int64_t) * rows * top_k);
+        t.chosen_weight = malloc(sizeof(float) * rows * top_k);
+        t.members = malloc(sizeof(int64_t) * rows * top_k);
+        t.first = malloc(sizeof(int64_t) * (experts + 1));
+        ready = ready && t.logits && t.gathered && t.moe_sum && t.chosen && t.chosen_weight && t.members &&
+                t.first;
+    }
     if (read_blocks) {
         t.sums = malloc(sizeof(float) * rows * widest / QK * 2);
         t.q = malloc((size_t)(rows * widest));
@@ -369,5 +506,12 @@ int decoder_step(const DecoderSpec *s, float *x, const int64_t *positions, const
     free(t.rounded);
     free(t.gemm_scales);
     free(t.scratch);
+    free(t.logits);
+    free(t.gathered);
+    free(t.moe_sum);
+    free(t.chosen);
+    free(t.chosen_weight);
+    free(t.members);
+    free(t.first);
     return ready ? KERNEL_OK : KERNEL_NO_MEMORY;
 }

@@ -18,7 +18,7 @@
 
 /* A layer's MLP as decoder_step.c computes it (LayerSpec.mlp_kind; layers/mlp.py's MLPKind), and its
  * gate's activation (LayerSpec.activation; gated_activation.h). */
-enum { MLP_GATED = 0 };
+enum { MLP_GATED = 0, MLP_EXPERTS = 1 };
 enum { ACTIVATION_SILU = 0, ACTIVATION_GELU_TANH = 1 };
 
 /* What the functions native.py calls return: KERNEL_OK, or why they did nothing useful (native.py raises
@@ -179,13 +179,19 @@ void attend_one(const float *q, const void *k_cache, const void *v_cache, const 
  * that native.py can check its copies at load time). */
 typedef struct {
     const float *input_norm, *post_norm;       /* [hidden]: before the attention, before the MLP */
-    const float *q_norm, *k_norm;              /* [head_dim]: on each query and key head before RoPE, or NULL */
+    const float *q_norm, *k_norm;              /* [head_dim]: on each query and key head before RoPE, or NULL
+                                                  (or [q_size] and [kv_size]: see qk_norm_whole) */
     const float *attn_out_norm, *mlp_out_norm; /* [hidden]: on the attention's and the MLP's outputs before
                                                   their residual adds, or NULL */
     Weight qkv, o;
-    int64_t mlp_kind;                          /* MLP_GATED: down(act(gate) * up) */
+    int64_t mlp_kind;                          /* MLP_GATED: down(act(gate) * up); MLP_EXPERTS: top_k of
+                                                  num_experts such MLPs per row, chosen by the router */
     Weight gate_up, down;                      /* gate_up: the gate's rows, then the up's */
-    int64_t intermediate, activation;          /* the MLP's width; its gate's ACTIVATION_* */
+    int64_t intermediate, activation;          /* the MLP's (each expert's) width; its gate's ACTIVATION_* */
+    const Weight *experts;                     /* MLP_EXPERTS: [2 * num_experts], each one's gate_up, down */
+    Weight router;                             /* MLP_EXPERTS: [num_experts, hidden] fp32, the routing logits */
+    int64_t num_experts, top_k, norm_topk;     /* norm_topk: the k routing weights divided by their sum */
+    int64_t qk_norm_whole;                     /* q_norm and k_norm span the whole projections, not heads */
     void *k_cache, *v_cache;                   /* [kv_heads, num_blocks, block_size, head_dim], kv_bf16 */
     int64_t sliding_window;                    /* keys a query sees, its own included; 0: the whole sequence */
     const float *rope_cos, *rope_sin;          /* this layer's tables, [max_positions, head_dim / 2] */

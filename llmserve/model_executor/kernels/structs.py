@@ -34,6 +34,7 @@ class MLPKind(enum.IntEnum):
     """A layer's MLP as decoder_step.c computes it (LayerSpec.mlp_kind)."""
 
     GATED = 0  # down(act(gate) * up): MLP_GATED
+    EXPERTS = 1  # a router's top k of such MLPs per row: MLP_EXPERTS
 
 
 # The MLP gate's activation (LayerSpec.activation, gated_activation.c's argument): ACTIVATION_*.
@@ -43,6 +44,7 @@ GGML_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_
 # Python's value of each constant of kernels.h it mirrors.
 CONSTANTS = {
     "MLP_GATED": MLPKind.GATED,
+    "MLP_EXPERTS": MLPKind.EXPERTS,
     "ACTIVATION_SILU": ACTIVATIONS["silu"],
     "ACTIVATION_GELU_TANH": ACTIVATIONS["gelu_tanh"],
     "BLOCK_GEMV_MAX_ROWS": BLOCK_GEMV_MAX_ROWS,
@@ -71,8 +73,12 @@ class LayerSpec(ctypes.Structure):
         *((name, Weight) for name in ("qkv", "o")),
         ("mlp_kind", _I64),  # MLPKind
         *((name, Weight) for name in ("gate_up", "down")),
-        ("intermediate", _I64),
+        ("intermediate", _I64),  # the MLP's, or each expert's, width
         ("activation", _I64),  # ACTIVATIONS
+        ("experts", ctypes.POINTER(Weight)),  # MLP_EXPERTS: each expert's gate_up, then its down
+        ("router", Weight),  # MLP_EXPERTS: [num_experts, hidden] fp32
+        *((name, _I64) for name in ("num_experts", "top_k", "norm_topk")),
+        ("qk_norm_whole", _I64),  # q_norm and k_norm span the whole projections, not each head
         ("k_cache", _PTR),
         ("v_cache", _PTR),
         ("sliding_window", _I64),  # keys a query sees, its own included; 0: the whole sequence

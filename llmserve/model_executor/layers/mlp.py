@@ -9,7 +9,7 @@ kind it lacks through their PyTorch forward and the others in C (`native_decoder
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,7 @@ class MLP(nn.Module):
     """x [rows, hidden] → [rows, hidden]. `kind`: how decoder_step.c names this MLP, None where it has no
     code for it (the layer then decodes op by op)."""
 
-    kind: ClassVar[MLPKind | None] = None
+    kind: MLPKind | None = None
 
     def prepare(self, plan: ExecutionPlan) -> None:
         """The kernels the plan gives the MLP's own ops (its projections prepare themselves)."""
@@ -47,7 +47,7 @@ class GatedMLP(MLP):
     modules carry the checkpoint's names (`gate_up_proj` fused from `gate_proj` and `up_proj`,
     `down_proj`); `shards`: the checkpoint tensors gate-up is made of (Phi-3 stores one)."""
 
-    kind: ClassVar[MLPKind | None] = MLPKind.GATED
+    kind: MLPKind | None = MLPKind.GATED
     gated_activation: GatedActivation = staticmethod(torch_gated_activation)  # until `prepare`
 
     def __init__(

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model_executor.execution_plan import ExecutionPlan
+from llmserve.model_executor.kernels.structs import MLPKind
 from llmserve.model_executor.layers.linear import Linear
 from llmserve.model_executor.layers.mlp import MLP, GatedMLP
 from llmserve.model_executor.layers.stored_weight import StoredTensor, StoredWeight
@@ -59,7 +60,7 @@ class Router(ExactProjection):
 class SparseMoE(MLP):
     """Routed experts, and Qwen2-MoE's shared expert (every row, scaled by a sigmoid gate) beside them.
     Its modules carry the checkpoint's names: `gate` (the router), `experts.{e}`, `shared_expert`,
-    `shared_expert_gate`."""
+    `shared_expert_gate`. decoder_step.c computes the routed experts (MLPKind.EXPERTS), not a shared one."""
 
     def __init__(
         self,
@@ -78,6 +79,7 @@ class SparseMoE(MLP):
         )
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: ExactProjection | None = None
+        self.kind = None if shared_intermediate else MLPKind.EXPERTS
         if shared_intermediate:
             self.shared_expert = GatedMLP(hidden, shared_intermediate, "silu", stored)
             self.shared_expert_gate = ExactProjection(hidden, 1)
