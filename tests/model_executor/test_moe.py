@@ -21,11 +21,12 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType
 
-from llmserve import LLM
+from llmserve import LLM, SamplingParams
 from llmserve.engine.input_processor import TokensPrompt
 from llmserve.model_executor.layers.moe import SparseMoE
 from llmserve.model_executor.model_runner import ModelRunner
 from llmserve.model_executor.models.moe_config import MoEConfig
+from llmserve.sampling_params import StructuredOutputsParams
 from tests.e2e.greedy_reference import Reference, hf_greedy
 from tests.engine.test_llm_batching import assert_no_leaks, core_of, count_native_steps, make_llm, runner_of
 from tests.fixtures.tiny_llama import VOCAB_SIZE
@@ -185,3 +186,66 @@ def test_an_inconsistent_gguf_is_refused_naming_the_tensor(
     cut.write_bytes(good.read_bytes()[:-4096])
     with pytest.raises(ValueError, match=r"tensor '.+' runs past the end of the file \(truncated\?\)"):
         LLM(model=str(cut), multiprocess=False)
+
+
+# --- the engine's other features on an MoE model -------------------------------------------------------
+
+
+def test_speculative_decoding_keeps_transformers_tokens(
+    built: Built, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """n-gram guesses on prompts that repeat themselves: each step checks its guesses in several rows per
+    sequence through the experts, and the tokens stay transformers'."""
+    model_dir = folder(built, "olmoe", F32, tmp_path_factory)
+    rng = random.Random("moe spec")
+    motifs = [[rng.randrange(3, VOCAB_SIZE) for _ in range(7)] for _ in range(3)]
+    prompts = [motif * 5 for motif in motifs]
+    hf: Any = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    refs = {tuple(p): hf_greedy(hf, p, NUM_TOKENS) for p in prompts}
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 2,
+        "disable_by_batch_size": 8,
+    }
+    llm = make_llm(model_dir, dtype="float32", speculative_config=spec)
+    try:
+        batch: list[TokensPrompt] = [{"prompt_token_ids": p} for p in prompts]
+        check(llm, llm.generate(batch, greedy(), use_tqdm=False), refs, LOGPROB_TOLERANCE)
+        stats = core_of(llm).scheduler.make_stats().spec_decoding
+        assert stats is not None and stats.num_draft_tokens > 0, stats
+        assert_no_leaks(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_structured_outputs_constrain_an_moe_model(
+    built: Built, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    llm = make_llm(folder(built, "qwen3_moe", F32, tmp_path_factory), dtype="float32")
+    try:
+        choices = ["the answer", "another one"]
+        params = SamplingParams(
+            temperature=1.0, seed=5, max_tokens=16, structured_outputs=StructuredOutputsParams(choice=choices)
+        )
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in mixed_prompts("qwen3_moe")], params, use_tqdm=False
+        )
+        assert all(out.outputs[0].text in choices for out in outputs), [o.outputs[0].text for o in outputs]
+    finally:
+        llm.shutdown()
+
+
+def test_data_parallel_ranks_give_one_cores_outputs(
+    built: Built, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    model_dir = folder(built, "mixtral", F32, tmp_path_factory)
+    prompts: list[TokensPrompt] = [{"prompt_token_ids": p} for p in mixed_prompts("mixtral")]
+    outputs = []
+    for ranks in (1, 2):
+        with LLM(
+            model=str(model_dir), dtype="float32", data_parallel_size=ranks, kv_cache_memory=8 << 20
+        ) as llm:
+            outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)])
+    assert outputs[0] == outputs[1]
