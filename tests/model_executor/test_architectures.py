@@ -18,6 +18,7 @@ import pytest
 import torch
 import transformers
 from gguf import GGUFWriter
+from safetensors.torch import save_file
 
 from llmserve import LLM, RequestOutput, SamplingParams
 from llmserve.contracts import ModelRunnerOutput, SchedulerOutput
@@ -199,3 +200,10 @@ def test_qwen3_as_gguf_gives_the_same_outputs(tmp_path: Path) -> None:
     for a, b in zip(*outputs, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_gpt_oss_is_refused_saying_what_it_lacks(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"}')
+    save_file({"lm_head.weight": torch.zeros(1, 1)}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="GptOssForCausalLM.*MXFP4 experts, attention sinks"):
+        LLM(model=str(tmp_path), multiprocess=False)

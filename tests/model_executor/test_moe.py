@@ -1,8 +1,9 @@
 """Mixture-of-Experts decoders (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE) give transformers' greedy tokens and
-top-5 logprobs on the same random weights, from safetensors and from GGUF files whose experts are F32,
-Q8_0 or Q4_K blocks: in batches mixing prefill chunks with decodes, with prefix caching on and off, with
-our C kernels (decode steps through decoder_step.c, experts included) and PyTorch's.
-`test_moe_routing.py` checks the routing's edge cases against transformers' own block.
+top-5 logprobs on the same random weights, from safetensors (fp32 and bf16) and from GGUF files whose
+experts are F32, Q8_0 or Q4_K blocks, each kept in that format: in batches mixing prefill chunks with
+decodes, with prefix caching on and off, with our C kernels (decode steps through decoder_step.c,
+experts included) and PyTorch's. `test_moe_routing.py` checks the routing's edge cases against
+transformers' own block.
 
 The quantized files' references are transformers on the dequantized values (the fixture rounds the
 HF folder's experts through the same blocks), so every comparison is fp32 against fp32.
@@ -20,9 +21,11 @@ import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType
+from safetensors.torch import load_file, save_file
 
 from llmserve import LLM, SamplingParams
 from llmserve.engine.input_processor import TokensPrompt
+from llmserve.model_executor.layers.linear import Linear
 from llmserve.model_executor.layers.moe import SparseMoE
 from llmserve.model_executor.model_runner import ModelRunner
 from llmserve.model_executor.models.moe_config import MoEConfig
@@ -40,13 +43,15 @@ from tests.model_executor.test_architectures import (
     shared_prefix_prompts,
 )
 
-F32, Q8_0, Q4_K = GGMLQuantizationType.F32, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K
+F32, BF16 = GGMLQuantizationType.F32, GGMLQuantizationType.BF16
+Q8_0, Q4_K = GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K
 LOGPROB_TOLERANCE = 1e-3
 # checkpoint → (how its experts are stored, the file, engine options beyond the defaults)
 CHECKPOINTS: dict[str, tuple[GGMLQuantizationType, str, dict[str, object]]] = {
     "safetensors": (F32, "hf", {}),
     "safetensors-pytorch": (F32, "hf", {"native_kernels": False}),
     "safetensors-no-prefix-caching": (F32, "hf", {"enable_prefix_caching": False}),
+    "safetensors-bf16": (BF16, "hf", {}),
     "gguf-f32": (F32, "gguf", {}),
     "gguf-q8_0": (Q8_0, "gguf", {}),
     "gguf-q4_k": (Q4_K, "gguf", {}),
@@ -66,9 +71,15 @@ def built() -> Built:
 
 
 def folder(built: Built, family: str, expert_type: GGMLQuantizationType, tmp: pytest.TempPathFactory) -> Path:
+    """The tiny `family` with its experts rounded through `expert_type`; BF16: every tensor stored bf16."""
     if (family, expert_type) not in built:
         path = tmp.mktemp(f"{family}-{expert_type.name}")
-        built[family, expert_type] = write_tiny_moe(path, family, expert_type=expert_type)
+        built[family, expert_type] = write_tiny_moe(
+            path, family, expert_type=F32 if expert_type == BF16 else expert_type
+        )
+        if expert_type == BF16:
+            weights = path / "model.safetensors"
+            save_file({name: t.bfloat16() for name, t in load_file(weights).items()}, weights)
     return built[family, expert_type]  # type: ignore[no-any-return]
 
 
@@ -102,6 +113,16 @@ def test_greedy_matches_transformers(
     # A budget of 16 tokens a step: prompts are prefilled in chunks while earlier requests decode.
     llm = make_llm(model, dtype="float32", max_num_batched_tokens=16, block_size=BLOCK_SIZE, **options)
     try:
+        if runner_of(llm).plan.stored_weights:  # the experts as the file stores them: no fp32 copy
+            experts = [m for m in runner_of(llm).model.modules() if isinstance(m, SparseMoE)]
+            parts = [
+                p
+                for moe in experts
+                for linear in moe.experts.modules()
+                if isinstance(linear, Linear)
+                for p in linear.parts
+            ]
+            assert {p.qtype for p in parts if p is not None} == {int(expert_type)}
         steps, native_steps = record_steps(llm, monkeypatch), count_native_steps(monkeypatch)
         prompts: list[TokensPrompt] = [{"prompt_token_ids": p} for p in mixed_prompts(family)]
         check(llm, llm.generate(prompts, greedy(), use_tqdm=False), refs, LOGPROB_TOLERANCE)
