@@ -144,6 +144,29 @@ def test_greedy_matches_transformers(
         llm.shutdown()
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+def test_every_instruction_set_build_decodes_the_experts_alike(
+    isa: str,
+    family: str,
+    built: Built,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """decoder_step.c's experts over Q4_K blocks, in each build this CPU runs (`isa` forces it; the
+    best one also runs every test above): transformers' tokens and logprobs."""
+    model_dir = folder(built, family, Q4_K, tmp_path_factory)
+    refs = references(built, family, Q4_K, model_dir)
+    prompts: list[TokensPrompt] = [{"prompt_token_ids": p} for p in mixed_prompts(family)[:3]]
+    gguf = write_moe_gguf(model_dir.parent / f"{family}-{isa}.gguf", model_dir, family, Q4_K)
+    native_steps = count_native_steps(monkeypatch)
+    llm = make_llm(gguf, dtype="float32")
+    try:
+        check(llm, llm.generate(prompts, greedy(), use_tqdm=False), refs, LOGPROB_TOLERANCE)
+    finally:
+        llm.shutdown()
+    assert native_steps[0] > 0
+
+
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])  # Qwen2-MoE's tiny shared expert:
 def test_a_rows_output_does_not_depend_on_its_batch(  # 48 wide, not whole int8 blocks
