@@ -81,7 +81,7 @@ typedef struct {
     float *logits;    /* [rows, max experts]: the router's */
     float *gathered;  /* [rows, hidden]: the normed rows one expert takes */
     float *moe_sum;   /* [rows, hidden]: the chosen experts' weighted outputs, summed in expert order */
-    int64_t *chosen;  /* [rows, max top_k]: each row's experts, ascending */
+    int64_t *chosen;  /* [rows, max top_k]: each row's experts, best first */
     float *chosen_weight;
     int64_t *members; /* [rows * max top_k]: (row, choice) pairs, grouped by expert */
     int64_t *first;   /* [max experts + 1]: each expert's pairs in members */
@@ -311,11 +311,8 @@ static void route(const LayerSpec *layer, Step *t)
     }
     for (int64_t e = 0; e < n; e++)
         t->first[e + 1] += t->first[e];
-    for (int64_t e = 0; e < n; e++) /* members in row order within each expert: first[e] counts up */
-        for (int64_t r = 0; r < t->rows; r++)
-            for (int64_t j = 0; j < k; j++)
-                if (t->chosen[r * k + j] == e)
-                    t->members[t->first[e]++] = r * k + j;
+    for (int64_t pair = 0; pair < t->rows * k; pair++) /* in row order within each expert; first[e] counts up */
+        t->members[t->first[t->chosen[pair]]++] = pair;
     for (int64_t e = n; e > 0; e--) /* back to each expert's start */
         t->first[e] = t->first[e - 1];
     t->first[0] = 0;
