@@ -34,6 +34,7 @@ from tests.e2e.greedy_reference import Reference, hf_greedy
 from tests.engine.test_llm_batching import assert_no_leaks, core_of, count_native_steps, make_llm, runner_of
 from tests.fixtures.tiny_llama import VOCAB_SIZE
 from tests.fixtures.tiny_moe import MOE_FAMILIES, write_moe_gguf, write_tiny_moe
+from tests.model_executor.isas import TESTED_ISAS
 from tests.model_executor.test_architectures import (
     BLOCK_SIZE,
     NUM_TOKENS,
@@ -49,8 +50,11 @@ LOGPROB_TOLERANCE = 1e-3
 # checkpoint → (how its experts are stored, the file, engine options beyond the defaults)
 CHECKPOINTS: dict[str, tuple[GGMLQuantizationType, str, dict[str, object]]] = {
     "safetensors": (F32, "hf", {}),
-    "safetensors-pytorch": (F32, "hf", {"native_kernels": False}),
-    "safetensors-no-prefix-caching": (F32, "hf", {"enable_prefix_caching": False}),
+    "safetensors-pytorch-no-prefix-caching": (
+        F32,
+        "hf",
+        {"native_kernels": False, "enable_prefix_caching": False},
+    ),
     "safetensors-bf16": (BF16, "hf", {}),
     "gguf-f32": (F32, "gguf", {}),
     "gguf-q8_0": (Q8_0, "gguf", {}),
@@ -144,6 +148,7 @@ def test_greedy_matches_transformers(
         llm.shutdown()
 
 
+@pytest.mark.parametrize("isa", TESTED_ISAS[1:])  # the best build runs every test above
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
 def test_every_instruction_set_build_decodes_the_experts_alike(
     isa: str,
@@ -152,8 +157,9 @@ def test_every_instruction_set_build_decodes_the_experts_alike(
     tmp_path_factory: pytest.TempPathFactory,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """decoder_step.c's experts over Q4_K blocks, in each build this CPU runs (`isa` forces it; the
-    best one also runs every test above): transformers' tokens and logprobs."""
+    """decoder_step.c's experts over Q4_K blocks, in each other build this CPU runs: transformers'
+    tokens and logprobs."""
+    monkeypatch.setenv("LLMSERVE_CPU_ISA", isa)
     model_dir = folder(built, family, Q4_K, tmp_path_factory)
     refs = references(built, family, Q4_K, model_dir)
     prompts: list[TokensPrompt] = [{"prompt_token_ids": p} for p in mixed_prompts(family)[:3]]
