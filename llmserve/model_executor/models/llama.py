@@ -88,7 +88,10 @@ class LlamaForCausalLM(CausalLM):
         )
 
     def make_layer(self, config: DecoderConfig, stored: bool, layer: int) -> LlamaDecoderLayer:
-        """Layer `layer`; an architecture that differs from Llama only inside its attention or MLP
-        overrides this."""
-        attention, mlp = LlamaAttention(config, stored), llama_mlp(config, stored)
-        return LlamaDecoderLayer(config, layer, self.rotary, attention, mlp)
+        """Layer `layer`; an architecture that differs from Llama inside its attention overrides this."""
+        attention = LlamaAttention(config, stored)
+        return LlamaDecoderLayer(config, layer, self.rotary, attention, self.make_mlp(config, stored, layer))
+
+    def make_mlp(self, config: DecoderConfig, stored: bool, layer: int) -> MLP:
+        """Layer `layer`'s MLP: SwiGLU; a Mixture-of-Experts architecture overrides this."""
+        return llama_mlp(config, stored)

@@ -13,8 +13,6 @@ from llmserve.model_executor.layers.moe import SparseMoE
 from llmserve.model_executor.models.causal_lm import LLAMA_GGUF_LAYER_NAMES
 from llmserve.model_executor.models.decoder_config import DecoderConfig
 from llmserve.model_executor.models.llama import (
-    LlamaAttention,
-    LlamaDecoderLayer,
     LlamaForCausalLM,
     llama_mlp,
 )
@@ -51,6 +49,5 @@ class MixtralForCausalLM(LlamaForCausalLM):
     checkpoint_renames = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
     gguf_layer_names = {**LLAMA_GGUF_LAYER_NAMES, **MOE_GGUF_LAYER_NAMES}
 
-    def make_layer(self, config: DecoderConfig, stored: bool, layer: int) -> LlamaDecoderLayer:
-        attention, mlp = LlamaAttention(config, stored), moe_mlp(config, stored, layer)
-        return LlamaDecoderLayer(config, layer, self.rotary, attention, mlp)
+    def make_mlp(self, config: DecoderConfig, stored: bool, layer: int) -> MLP:
+        return moe_mlp(config, stored, layer)

@@ -7,6 +7,7 @@ A softmax over the router's logits and the top k, not renormalised unless `norm_
 from __future__ import annotations
 
 from llmserve.model_executor.layers.layernorm import RMSNorm
+from llmserve.model_executor.layers.mlp import MLP
 from llmserve.model_executor.models.decoder_config import DecoderConfig
 from llmserve.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from llmserve.model_executor.models.mixtral import moe_mlp
@@ -26,7 +27,10 @@ class OlmoeForCausalLM(LlamaForCausalLM):
     gguf_layer_names = Qwen3MoeForCausalLM.gguf_layer_names  # the same tensors, the norms' widths aside
 
     def make_layer(self, config: DecoderConfig, stored: bool, layer: int) -> LlamaDecoderLayer:
-        attention, mlp = OlmoeAttention(config, stored), moe_mlp(config, stored, layer)
+        attention, mlp = OlmoeAttention(config, stored), self.make_mlp(config, stored, layer)
         decoder_layer = LlamaDecoderLayer(config, layer, self.rotary, attention, mlp)
         decoder_layer.parts.qk_norm_per_head = False
         return decoder_layer
+
+    def make_mlp(self, config: DecoderConfig, stored: bool, layer: int) -> MLP:
+        return moe_mlp(config, stored, layer)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from llmserve.model_executor.layers.mlp import MLP
 from llmserve.model_executor.models.causal_lm import LLAMA_GGUF_LAYER_NAMES
 from llmserve.model_executor.models.decoder_config import DecoderConfig
-from llmserve.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from llmserve.model_executor.models.llama import LlamaForCausalLM
 from llmserve.model_executor.models.mixtral import MOE_GGUF_LAYER_NAMES, moe_mlp
 from llmserve.model_executor.models.moe_config import MoEConfig
 
@@ -31,6 +32,5 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
         """llama.cpp stores the shared expert's gate [1, hidden] as a vector."""
         return tensor.unsqueeze(0) if hf_name.endswith("shared_expert_gate.weight") else tensor
 
-    def make_layer(self, config: DecoderConfig, stored: bool, layer: int) -> LlamaDecoderLayer:
-        attention, mlp = LlamaAttention(config, stored), moe_mlp(config, stored, layer)
-        return LlamaDecoderLayer(config, layer, self.rotary, attention, mlp)
+    def make_mlp(self, config: DecoderConfig, stored: bool, layer: int) -> MLP:
+        return moe_mlp(config, stored, layer)

@@ -14,7 +14,6 @@ from llmserve.model_executor.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
-    llama_mlp,
 )
 
 
@@ -35,5 +34,5 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     }
 
     def make_layer(self, config: DecoderConfig, stored: bool, layer: int) -> LlamaDecoderLayer:
-        attention, mlp = Qwen3Attention(config, stored), llama_mlp(config, stored)
-        return LlamaDecoderLayer(config, layer, self.rotary, attention, mlp)
+        attention = Qwen3Attention(config, stored)
+        return LlamaDecoderLayer(config, layer, self.rotary, attention, self.make_mlp(config, stored, layer))

@@ -7,17 +7,16 @@ have Qwen3's dense MLP.
 
 from __future__ import annotations
 
+from llmserve.model_executor.layers.mlp import MLP
 from llmserve.model_executor.models.decoder_config import DecoderConfig
-from llmserve.model_executor.models.llama import LlamaDecoderLayer
 from llmserve.model_executor.models.mixtral import MOE_GGUF_LAYER_NAMES, moe_mlp
 from llmserve.model_executor.models.moe_config import MoEConfig
-from llmserve.model_executor.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
+from llmserve.model_executor.models.qwen3 import Qwen3ForCausalLM
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     config_class = MoEConfig
     gguf_layer_names = {**Qwen3ForCausalLM.gguf_layer_names, **MOE_GGUF_LAYER_NAMES}
 
-    def make_layer(self, config: DecoderConfig, stored: bool, layer: int) -> LlamaDecoderLayer:
-        attention, mlp = Qwen3Attention(config, stored), moe_mlp(config, stored, layer)
-        return LlamaDecoderLayer(config, layer, self.rotary, attention, mlp)
+    def make_mlp(self, config: DecoderConfig, stored: bool, layer: int) -> MLP:
+        return moe_mlp(config, stored, layer)
